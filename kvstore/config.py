@@ -1,0 +1,161 @@
+"""Store configuration: typed dataclasses, validated on construction, with embedded defaults.
+
+Every field can come from the environment under one prefix, ``KVSTORE_`` (flags override the
+environment, the environment overrides defaults)::
+
+    KVSTORE_HOST_CAPACITY=4GiB      host tier bytes ("0" disables the tier; default: auto)
+    KVSTORE_DISK_PATH=/var/lib/kvstore
+    KVSTORE_DISK_CAPACITY=200GiB    disk tier bytes ("0" disables it; default: auto)
+    KVSTORE_DURABLE=1               acknowledge a disk write only after fsync
+    KVSTORE_POLICY=lru
+    KVSTORE_WRITE_POLICY=write_through | on_eviction
+    KVSTORE_PROMOTE_ON_HIT=1
+    KVSTORE_LEASE_TTL_S=30
+
+Auto sizes: the host tier takes a quarter of the memory available now (at most 64 GiB); the disk
+tier takes half of the free space of its file system (at most 1 TiB).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from kvstore.errors import InvalidRequest
+from kvstore.policy import POLICIES
+from kvstore.store import WRITE_POLICIES, TieredStore
+from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.host import HostTier
+
+ENV_PREFIX = "KVSTORE_"
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+          "t": 1000**4, "tb": 1000**4, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def parse_size(text: str | int) -> int:
+    """``"4GiB"``, ``"512MB"``, ``"1048576"`` -> bytes."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise InvalidRequest(f"cannot read {text!r} as a size; examples: 4GiB, 512MB, 1048576")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def default_data_dir() -> str:
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return os.path.join(base, "kvstore")
+
+
+def available_memory_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30
+
+
+@dataclass
+class HostConfig:
+    capacity_bytes: int | None = None  # None: auto
+    page_bytes: int = 64 << 20
+    shm_dir: str | None = None
+
+    def resolved_capacity(self) -> int:
+        if self.capacity_bytes is not None:
+            return self.capacity_bytes
+        return min(available_memory_bytes() // 4, 64 << 30)
+
+
+@dataclass
+class DiskConfig:
+    path: str = field(default_factory=lambda: os.path.join(default_data_dir(), "disk"))
+    capacity_bytes: int | None = None  # None: auto
+    segment_bytes: int = 256 << 20
+    durable: bool = False
+
+    def resolved_capacity(self) -> int:
+        if self.capacity_bytes is not None:
+            return self.capacity_bytes
+        probe = self.path
+        while not os.path.exists(probe):
+            probe = os.path.dirname(probe) or "."
+        return min(shutil.disk_usage(probe).free // 2, 1 << 40)
+
+
+@dataclass
+class StoreConfig:
+    host: HostConfig | None = field(default_factory=HostConfig)
+    disk: DiskConfig | None = field(default_factory=DiskConfig)
+    policy: str = "lru"
+    write_policy: str = "write_through"
+    promote_on_hit: bool = True
+    lease_ttl_s: float = 30.0
+    max_leases: int = 65536
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise InvalidRequest(f"policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
+        if self.write_policy not in WRITE_POLICIES:
+            raise InvalidRequest(f"write_policy must be one of {WRITE_POLICIES}, got {self.write_policy!r}")
+        if self.host is None and self.disk is None:
+            raise InvalidRequest("at least one of the host and disk tiers must be enabled")
+        if self.lease_ttl_s <= 0:
+            raise InvalidRequest(f"lease_ttl_s must be positive, got {self.lease_ttl_s}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> "StoreConfig":
+        """Defaults, then ``KVSTORE_*`` variables, then ``overrides`` (None values are ignored)."""
+        env = {k[len(ENV_PREFIX):]: v for k, v in (environ if environ is not None else os.environ).items()
+               if k.startswith(ENV_PREFIX)}
+        values: dict = {}
+        host, disk = HostConfig(), DiskConfig()
+        if "HOST_CAPACITY" in env:
+            host.capacity_bytes = parse_size(env["HOST_CAPACITY"])
+        if "DISK_PATH" in env:
+            disk.path = env["DISK_PATH"]
+        if "DISK_CAPACITY" in env:
+            disk.capacity_bytes = parse_size(env["DISK_CAPACITY"])
+        if "DURABLE" in env:
+            disk.durable = _parse_bool(env["DURABLE"])
+        for name, key, convert in (("policy", "POLICY", str), ("write_policy", "WRITE_POLICY", str),
+                                   ("promote_on_hit", "PROMOTE_ON_HIT", _parse_bool),
+                                   ("lease_ttl_s", "LEASE_TTL_S", float)):
+            if key in env:
+                values[name] = convert(env[key])
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(host=None if host.capacity_bytes == 0 else host,
+                   disk=None if disk.capacity_bytes == 0 else disk, **values)
+
+    def open_store(self, progress=None) -> "TieredStore":
+        """Build the tiers (host first, then disk) and the store over them."""
+        tiers = []
+        if self.host is not None:
+            tiers.append(HostTier(self.host.resolved_capacity(), self.host.page_bytes, self.host.shm_dir))
+        if self.disk is not None:
+            try:
+                tiers.append(DiskTier(self.disk.path, self.disk.resolved_capacity(), self.disk.segment_bytes,
+                                      self.disk.durable, progress=progress))
+            except BaseException:
+                for tier in tiers:
+                    tier.close()
+                raise
+        return TieredStore(tiers, policy=self.policy, write_policy=self.write_policy,
+                           promote_on_hit=self.promote_on_hit, lease_ttl_s=self.lease_ttl_s,
+                           max_leases=self.max_leases)
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = str(text).strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise InvalidRequest(f"cannot read {text!r} as a boolean; use 1/0, true/false, yes/no or on/off")

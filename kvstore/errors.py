@@ -1,0 +1,32 @@
+"""Typed errors for caller mistakes.
+
+Three kinds of failure (STYLE.md): broken invariants are assertions; caller mistakes raise one of
+these with a message that says what would be valid; misses and backpressure are return values,
+never exceptions. The gRPC edge maps each class to a status code.
+"""
+
+
+class KVStoreError(Exception):
+    """Base class of every error the store raises on purpose."""
+
+
+class InvalidRequest(KVStoreError, ValueError):
+    """The caller passed something malformed (wrong size, bad key, bad config)."""
+
+
+class UnknownNamespace(KVStoreError, KeyError):
+    """The namespace was never registered with this store."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
+        return str(self.args[0]) if self.args else "unknown namespace"
+
+
+class UnknownLease(KVStoreError, KeyError):
+    """The lease id was never issued, already released, or expired."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "unknown lease"
+
+
+class StoreClosed(KVStoreError, RuntimeError):
+    """An operation was attempted on a closed store or tier."""

@@ -1,0 +1,159 @@
+"""Keys: the namespace fingerprint and the chained prefix hash of full blocks.
+
+A key is ``(namespace_id, block_hash)``, both 16-byte xxh3-128 digests.
+
+- ``namespace_id`` fingerprints everything that makes cached bytes incompatible (model, config,
+  layer count, component formats, block size, engine and version, hash algorithm, tenant salt).
+- ``block_hash`` is a chain over full blocks only::
+
+      h_0 = xxh3_128(seed || tokens_0 [|| extra_0])
+      h_i = xxh3_128(h_{i-1} || tokens_i [|| extra_i])
+
+  where ``seed`` is the namespace id, tokens are packed as little-endian uint32 and ``extra_i``
+  (optional: LoRA adapter, multimodal item hashes) is the length-prefixed encoding of the block's
+  extra keys. The token part has a fixed width, so the encoding is unambiguous.
+
+The function is pure and deterministic across processes, ranks, restarts and hosts (no random
+seed, no Python ``hash()``). Golden vectors in the tests pin it: a change is a new
+``HASH_ALGORITHM`` name, never an edit.
+
+This module knows nothing about tiers, layouts' byte contents or where blocks live.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Sequence
+
+import numpy as np
+import xxhash
+
+from kvstore.errors import InvalidRequest
+
+HASH_ALGORITHM = "xxh3-128-chain-v1"
+DIGEST_BYTES = 16
+MAX_TOKEN_ID = 2**32 - 1
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Everything that decides whether two producers' block bytes are interchangeable.
+
+    Two engines that would produce different bytes must differ in at least one field; two that
+    produce the same bytes should be equal in all of them.
+    """
+
+    model: str
+    model_config_hash: str
+    num_layers: int
+    components: tuple[str, ...]
+    block_size: int = 64
+    engine: str = "mla-kvstore"
+    engine_version: str = "0"
+    weights_hash: str = ""
+    cache_salt: str = ""
+    hash_algorithm: str = HASH_ALGORITHM
+    extra: tuple[tuple[str, str], ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise InvalidRequest("Namespace.model must be a non-empty model name")
+        if self.num_layers <= 0:
+            raise InvalidRequest(f"Namespace.num_layers must be positive, got {self.num_layers}")
+        if self.block_size <= 0:
+            raise InvalidRequest(f"Namespace.block_size must be positive, got {self.block_size}")
+        if not self.components:
+            raise InvalidRequest("Namespace.components must name at least one component format")
+        if self.hash_algorithm != HASH_ALGORITHM:
+            raise InvalidRequest(
+                f"unknown hash algorithm {self.hash_algorithm!r}; supported: {HASH_ALGORITHM!r}"
+            )
+        object.__setattr__(self, "components", tuple(self.components))
+        object.__setattr__(self, "extra", tuple(tuple(kv) for kv in self.extra))
+
+    def canonical_json(self) -> str:
+        """The fingerprinted form: sorted keys, no whitespace, lists for tuples."""
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+
+    @property
+    def id(self) -> bytes:
+        """16-byte fingerprint; also the seed of this namespace's hash chains."""
+        return xxhash.xxh3_128_digest(self.canonical_json().encode())
+
+    @classmethod
+    def from_json(cls, text: str) -> "Namespace":
+        fields = json.loads(text)
+        fields["components"] = tuple(fields["components"])
+        fields["extra"] = tuple(tuple(kv) for kv in fields.get("extra", ()))
+        return cls(**fields)
+
+
+def config_hash(config: dict) -> str:
+    """Stable hex digest of a model config dict (for ``Namespace.model_config_hash``)."""
+    text = json.dumps(config, sort_keys=True, separators=(",", ":"), default=str)
+    return xxhash.xxh3_128_hexdigest(text.encode())
+
+
+def encode_extra_keys(items: Sequence[bytes | str]) -> bytes:
+    """Length-prefixed encoding of one block's extra keys (empty input gives b"")."""
+    out = bytearray()
+    for item in items:
+        raw = item.encode() if isinstance(item, str) else bytes(item)
+        out += len(raw).to_bytes(4, "little") + raw
+    return bytes(out)
+
+
+def _packed_tokens(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Tokens as a little-endian uint32 array; rejects ids outside [0, 2**32)."""
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise InvalidRequest(f"tokens must be one-dimensional, got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise InvalidRequest(f"tokens must be integers, got dtype {arr.dtype}")
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > MAX_TOKEN_ID):
+        raise InvalidRequest(f"token ids must lie in [0, {MAX_TOKEN_ID}]")
+    return np.ascontiguousarray(arr, dtype="<u4")
+
+
+def chain_hashes(
+    seed: bytes,
+    tokens: Sequence[int] | np.ndarray,
+    block_size: int,
+    extra_keys: dict[int, Sequence[bytes | str]] | None = None,
+    parent: bytes | None = None,
+) -> list[bytes]:
+    """Block hashes of every *full* block of ``tokens`` (a trailing partial block is ignored).
+
+    ``seed`` is the namespace id. ``parent`` continues an existing chain: pass the hash of the
+    block just before ``tokens[0]`` (tokens must then start on a block boundary).
+    ``extra_keys`` maps a block index (relative to ``tokens``) to that block's extra keys.
+    Pure: the same inputs give the same digests in every process.
+    """
+    if len(seed) != DIGEST_BYTES:
+        raise InvalidRequest(f"seed must be {DIGEST_BYTES} bytes, got {len(seed)}")
+    packed = _packed_tokens(tokens)
+    n = len(packed) // block_size
+    width = DIGEST_BYTES + 4 * block_size
+    # rows: [n, 16 + 4*block_size] bytes = [previous digest | this block's tokens]
+    rows = np.empty((n, width), np.uint8)
+    rows[:, DIGEST_BYTES:] = packed[: n * block_size].view(np.uint8).reshape(n, 4 * block_size)
+    view = memoryview(rows).cast("B")
+    digest = xxhash.xxh3_128_digest
+    prev = parent if parent is not None else seed
+    out: list[bytes] = []
+    for i in range(n):
+        start = i * width
+        view[start : start + DIGEST_BYTES] = prev
+        row = view[start : start + width]
+        if extra_keys and i in extra_keys:
+            prev = digest(bytes(row) + encode_extra_keys(extra_keys[i]))
+        else:
+            prev = digest(row)
+        out.append(prev)
+    return out
+
+
+def namespace_hashes(namespace: Namespace, tokens: Sequence[int] | np.ndarray, **kw) -> list[bytes]:
+    """``chain_hashes`` seeded with ``namespace.id`` at ``namespace.block_size``."""
+    return chain_hashes(namespace.id, tokens, namespace.block_size, **kw)

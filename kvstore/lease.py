@@ -1,0 +1,86 @@
+"""Leases and pins: what protects a block from eviction while someone is about to read it.
+
+A lease is taken by ``lookup`` and ended by ``load``/``release`` or by its TTL (a client that
+dies does not pin blocks forever). Pins are the same counter without a lease object, held by the
+store around its own in-flight copies. This module knows keys and clocks, nothing about tiers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+
+@dataclass(frozen=True)
+class Lease:
+    id: int
+    keys: tuple[bytes, ...]
+    expires_at: float
+
+
+class LeaseTable:
+    """Pin counts per key plus the leases that hold some of them. Not thread-safe on its own:
+    the store calls it under its lock."""
+
+    def __init__(self, max_leases: int = 65536, clock: Callable[[], float] = time.monotonic):
+        self.max_leases = max_leases
+        self._clock = clock
+        self._pins: Counter[bytes] = Counter()
+        self._leases: dict[int, Lease] = {}
+        self._ids = itertools.count(1)
+        self.expired_total = 0
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    def pin(self, keys: Iterable[bytes]) -> None:
+        self._pins.update(keys)
+
+    def unpin(self, keys: Iterable[bytes]) -> None:
+        for key in keys:
+            count = self._pins[key] - 1
+            assert count >= 0, "unpin without a matching pin (store bug)"
+            if count:
+                self._pins[key] = count
+            else:
+                del self._pins[key]
+
+    def is_pinned(self, key: bytes) -> bool:
+        return key in self._pins
+
+    def grant(self, keys: Iterable[bytes], ttl_s: float) -> Lease | None:
+        """Pin ``keys`` under a new lease; None when ``max_leases`` are already held."""
+        self.expire()
+        if len(self._leases) >= self.max_leases:
+            return None
+        lease = Lease(next(self._ids), tuple(keys), self._clock() + ttl_s)
+        self._leases[lease.id] = lease
+        self.pin(lease.keys)
+        return lease
+
+    def release(self, lease_id: int) -> bool:
+        """End a lease; False when it is unknown (never issued, released, or expired)."""
+        lease = self._leases.pop(lease_id, None)
+        if lease is None:
+            return False
+        self.unpin(lease.keys)
+        return True
+
+    def expire(self) -> int:
+        """Release every lease past its TTL; returns how many."""
+        now = self._clock()
+        expired = [lid for lid, lease in self._leases.items() if lease.expires_at <= now]
+        for lease_id in expired:
+            self.release(lease_id)
+        self.expired_total += len(expired)
+        return len(expired)
+
+    def keys_of(self, lease_id: int) -> tuple[bytes, ...]:
+        lease = self._leases.get(lease_id)
+        return lease.keys if lease else ()
+
+    def pinned_keys(self) -> set[bytes]:
+        return set(self._pins)

@@ -1,0 +1,166 @@
+"""Eviction policies: objects that order one tier's victims. They never touch bytes.
+
+A tier holds blocks of prefix chains. Evicting block i of a chain makes blocks i+1... unreachable
+(lookups stop at the first miss), so a policy only offers *leaves*: blocks with no resident child
+in the same tier. A chain therefore loses its tail before its head, and a parent becomes a
+candidate once its last child is gone.
+
+A policy is told about every insert, access and removal of its tier, in that tier's order.
+``victims()`` yields candidates, best victim first; the caller evicts some of them (calling
+``on_remove``) and may stop at any time. Subclasses choose the order with one method,
+``priority``: the smallest priority is evicted first.
+"""
+
+from __future__ import annotations
+
+import heapq
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+from kvstore.errors import InvalidRequest
+
+
+@dataclass(slots=True)
+class Entry:
+    parent: bytes | None
+    nbytes: int
+    children: int = 0
+    last_access: int = 0
+    accesses: int = 0
+    version: int = 0
+
+
+class EvictionPolicy(ABC):
+    """The interface every tier's policy implements."""
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def on_insert(self, key: bytes, parent: bytes | None, nbytes: int) -> None:
+        """``key`` became resident; ``parent`` is the previous block of its chain (None at a head)."""
+
+    @abstractmethod
+    def on_access(self, key: bytes) -> None:
+        """``key`` was read (a hit that was loaded). Unknown keys are ignored."""
+
+    @abstractmethod
+    def on_remove(self, key: bytes) -> None:
+        """``key`` left the tier (evicted, dropped as corrupt, deleted). Unknown keys are ignored."""
+
+    @abstractmethod
+    def victims(self, evictable: Callable[[bytes], bool] = lambda k: True) -> Iterator[bytes]:
+        """Candidates in eviction order, skipping keys for which ``evictable`` is False.
+
+        Does not mutate the policy's view of residency: keys the caller does not remove stay
+        candidates for the next call.
+        """
+
+    def admit(self, key: bytes, parent: bytes | None, nbytes: int) -> bool:
+        """Whether a new block deserves a slot at all (admission control). Default: always."""
+        return True
+
+    def __len__(self) -> int:
+        return 0
+
+
+class ChainPolicy(EvictionPolicy):
+    """Leaf-only eviction over prefix chains; subclasses define ``priority``."""
+
+    def __init__(self) -> None:
+        self._entries: dict[bytes, Entry] = {}
+        self._heap: list[tuple[float, int, bytes, int]] = []  # (priority, seq, key, version)
+        self._clock = 0
+
+    @abstractmethod
+    def priority(self, key: bytes, entry: Entry) -> float:
+        """Smaller is evicted first. Called when a leaf is (re)queued."""
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._entries
+
+    def on_insert(self, key: bytes, parent: bytes | None, nbytes: int) -> None:
+        assert key not in self._entries, "policy told about a block inserted twice (store bug)"
+        self._clock += 1
+        self._entries[key] = Entry(parent, nbytes, last_access=self._clock, accesses=1)
+        parent_entry = self._entries.get(parent) if parent is not None else None
+        if parent_entry is not None:
+            parent_entry.children += 1
+        self._queue(key)
+
+    def on_access(self, key: bytes) -> None:
+        entry = self._entries.get(key)
+        if entry is None:
+            return
+        self._clock += 1
+        entry.last_access = self._clock
+        entry.accesses += 1
+        self._queue(key)
+
+    def on_remove(self, key: bytes) -> None:
+        entry = self._entries.pop(key, None)
+        if entry is None or entry.parent is None:
+            return
+        parent_entry = self._entries.get(entry.parent)
+        if parent_entry is not None:
+            parent_entry.children -= 1
+            self._queue(entry.parent)
+
+    def victims(self, evictable: Callable[[bytes], bool] = lambda k: True) -> Iterator[bytes]:
+        deferred: list[tuple[float, int, bytes, int]] = []
+        try:
+            while self._heap:
+                item = heapq.heappop(self._heap)
+                _, _, key, version = item
+                entry = self._entries.get(key)
+                if entry is None or entry.version != version or entry.children:
+                    continue  # stale: removed, re-queued since, or no longer a leaf
+                deferred.append(item)
+                if evictable(key):
+                    yield key
+        finally:
+            for item in deferred:
+                entry = self._entries.get(item[2])
+                if entry is not None and entry.version == item[3]:
+                    heapq.heappush(self._heap, item)
+
+    def _queue(self, key: bytes) -> None:
+        entry = self._entries[key]
+        if entry.children:
+            return
+        entry.version += 1
+        self._clock += 1
+        heapq.heappush(self._heap, (self.priority(key, entry), self._clock, key, entry.version))
+        if len(self._heap) > 4 * len(self._entries) + 1024:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Drop stale heap items (they accumulate with accesses)."""
+        self._heap = [
+            item
+            for item in self._heap
+            if (e := self._entries.get(item[2])) is not None and e.version == item[3] and not e.children
+        ]
+        heapq.heapify(self._heap)
+
+
+class LRUPolicy(ChainPolicy):
+    """Least recently used leaf first: the tail of the coldest chain goes before its head."""
+
+    name = "lru"
+
+    def priority(self, key: bytes, entry: Entry) -> float:
+        return entry.last_access
+
+
+POLICIES: dict[str, type[EvictionPolicy]] = {LRUPolicy.name: LRUPolicy}
+
+
+def make_policy(name: str) -> EvictionPolicy:
+    try:
+        return POLICIES[name]()
+    except KeyError:
+        raise InvalidRequest(f"unknown eviction policy {name!r}; valid: {', '.join(sorted(POLICIES))}") from None

@@ -1,0 +1,495 @@
+"""The tiered store: the one object behind every entry point, and the only code that knows more
+than one tier.
+
+Tiers are ordered fastest first (device, host, disk, remote). For each namespace the store keeps a
+directory ``block hash -> bitmask of tiers holding it``, so a lookup costs one dict probe per
+block whatever the number of tiers. Policy objects (one per tier) order victims; the store moves
+bytes between tiers by two knobs:
+
+- ``write_policy="write_through"``: a block put into one tier is copied to every lower tier in
+  the background; ``"on_eviction"``: a victim is demoted to the next tier when it is evicted.
+- ``promote_on_hit``: a whole-block load served by a lower tier is copied into the top tier.
+
+Concurrency: one lock guards the directory, policies and pins; byte copies run outside it. A
+block is pinned (by a lease or by the store itself) whenever bytes are being read from it, and a
+pinned block is never evicted or removed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from dataclasses import replace
+from typing import Callable, Sequence
+
+import numpy as np
+
+from kvstore.buffers import byte_view, check_size
+from kvstore.checksum import layer_checksums
+from kvstore.errors import InvalidRequest, UnknownLease, UnknownNamespace
+from kvstore.keys import DIGEST_BYTES, Namespace
+from kvstore.layout import BlockSpec
+from kvstore.lease import LeaseTable
+from kvstore.policy import EvictionPolicy, make_policy
+from kvstore.results import LoadResult, LookupResult, PutResult, StoreStats
+from kvstore.tiers.base import BlockMeta, Tier
+from kvstore.writer import BackgroundWriter
+
+WRITE_POLICIES = ("write_through", "on_eviction")
+
+
+class TieredStore:
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        policy: str | Callable[[], EvictionPolicy] = "lru",
+        write_policy: str = "write_through",
+        promote_on_hit: bool = True,
+        lease_ttl_s: float = 30.0,
+        max_leases: int = 65536,
+        background_writes: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        if not tiers:
+            raise InvalidRequest("a store needs at least one tier")
+        if write_policy not in WRITE_POLICIES:
+            raise InvalidRequest(f"write_policy must be one of {WRITE_POLICIES}, got {write_policy!r}")
+        names = [t.name for t in tiers]
+        if len(set(names)) != len(names):
+            raise InvalidRequest(f"tier names must be unique, got {names}")
+        self.tiers = list(tiers)
+        factory = policy if callable(policy) else (lambda: make_policy(policy))
+        self._policies = [factory() for _ in self.tiers]
+        self.policy_name = self._policies[0].name
+        self.write_policy = write_policy
+        self.promote_on_hit = promote_on_hit
+        self.default_lease_ttl_s = lease_ttl_s
+        self._namespaces: dict[bytes, tuple[Namespace, BlockSpec]] = {}
+        self._directory: dict[bytes, dict[bytes, int]] = {}  # ns id -> block hash -> tier bits
+        self._inflight: set[bytes] = set()  # keys being put right now
+        self._doomed: set[bytes] = set()  # deleted while pinned: removed at the last unpin
+        self._leases = LeaseTable(max_leases, clock)
+        self._lock = threading.RLock()
+        self._counters: Counter[str] = Counter()
+        self._writer = BackgroundWriter() if background_writes and len(self.tiers) > 1 else None
+        self._closed = False
+        self._adopt_resident_blocks()
+
+    # ---- namespaces --------------------------------------------------------------------
+
+    def register_namespace(self, namespace: Namespace) -> bytes:
+        """Make a namespace usable; idempotent. Returns its 16-byte id."""
+        spec = BlockSpec.of(namespace)
+        for tier in self.tiers:
+            limit = tier.max_block_bytes()
+            if limit is not None and tier.footprint(spec.block_bytes) > limit:
+                raise InvalidRequest(
+                    f"a block of {namespace.model} is {spec.block_bytes} bytes; the {tier.name} tier "
+                    f"holds at most {limit} per block (raise its page size)"
+                )
+        with self._lock:
+            self._namespaces[namespace.id] = (namespace, spec)
+            self._directory.setdefault(namespace.id, {})
+        return namespace.id
+
+    def spec(self, ns_id: bytes) -> BlockSpec:
+        try:
+            return self._namespaces[ns_id][1]
+        except KeyError:
+            raise UnknownNamespace(f"namespace {ns_id.hex()} is not registered; call register_namespace first") from None
+
+    def namespaces(self) -> list[Namespace]:
+        return [ns for ns, _ in self._namespaces.values()]
+
+    # ---- lookup ------------------------------------------------------------------------
+
+    def lookup(self, ns_id: bytes, block_hashes: Sequence[bytes], lease_ttl_s: float | None = None) -> LookupResult:
+        """Longest contiguous run of present blocks; changes nothing but the optional lease."""
+        spec = self.spec(ns_id)
+        _check_hashes(block_hashes)
+        with self._lock:
+            self._leases.expire()
+            residency = self._directory[ns_id]
+            top: list[int] = []
+            for block_hash in block_hashes:
+                bits = residency.get(block_hash, 0)
+                if not bits:
+                    break
+                top.append((bits & -bits).bit_length() - 1)
+            self._counters["lookups"] += 1
+            self._counters["lookup_blocks"] += len(block_hashes)
+            self._counters["hit_blocks"] += len(top)
+            for t in top:
+                self._counters[f"hit_blocks:{t}"] += 1
+            lease = None
+            if lease_ttl_s is not None and top:
+                lease = self._leases.grant([ns_id + h for h in block_hashes[: len(top)]], lease_ttl_s)
+        tiers = tuple(self.tiers[t].name for t in top)
+        refused = lease_ttl_s is not None and bool(top) and lease is None
+        return LookupResult(len(block_hashes), spec.block_size, tiers, lease.id if lease else None, refused)
+
+    def release(self, lease_id: int) -> None:
+        """End a lease. Raises ``UnknownLease`` if it was never issued, released or expired."""
+        with self._lock:
+            keys = self._lease_keys(lease_id)
+            if not self._leases.release(lease_id):
+                raise UnknownLease(f"lease {lease_id} is unknown: never issued, already released, or expired")
+            self._bury_doomed(keys)
+
+    # ---- load --------------------------------------------------------------------------
+
+    def load(self, ns_id: bytes, block_hashes: Sequence[bytes], dsts: Sequence, lease_id: int | None = None) -> LoadResult:
+        """Copy whole blocks, in order, into ``dsts``; stops at the first block it cannot serve.
+
+        Ends ``lease_id`` (if given) whatever happens.
+        """
+        try:
+            spec = self.spec(ns_id)
+            _check_hashes(block_hashes)
+            if len(dsts) != len(block_hashes):
+                raise InvalidRequest(f"{len(block_hashes)} block hashes but {len(dsts)} destination buffers")
+            views = [byte_view(d, writable=True) for d in dsts]
+            for view in views:
+                check_size(view, spec.block_bytes, "destination buffer")
+            served = []
+            for block_hash, view in zip(block_hashes, views):
+                tier = self._load_one(ns_id + block_hash, view, 0, spec.num_layers)
+                if tier is None:
+                    break
+                served.append(self.tiers[tier].name)
+            return LoadResult(len(block_hashes), tuple(served), len(served) * spec.block_bytes)
+        finally:
+            if lease_id is not None:
+                with self._lock:
+                    keys = self._lease_keys(lease_id)
+                    self._leases.release(lease_id)
+                    self._bury_doomed(keys)
+
+    def load_layer(self, ns_id: bytes, block_hash: bytes, layer: int, dst) -> str | None:
+        """Copy one layer of one block into ``dst``; returns the serving tier's name or None."""
+        spec = self.spec(ns_id)
+        _check_hashes([block_hash])
+        spec.layer_range(layer)
+        view = byte_view(dst, writable=True)
+        check_size(view, spec.layer_bytes, "layer destination buffer")
+        tier = self._load_one(ns_id + block_hash, view, layer, 1)
+        return None if tier is None else self.tiers[tier].name
+
+    def _load_one(self, key: bytes, dst: np.ndarray, first_layer: int, num_layers: int) -> int | None:
+        with self._lock:
+            bits = self._directory.get(key[:DIGEST_BYTES], {}).get(key[DIGEST_BYTES:], 0)
+            if not bits:
+                return None
+            self._leases.pin([key])
+        try:
+            for t, tier in enumerate(self.tiers):
+                if not bits >> t & 1:
+                    continue
+                if tier.read(key, dst, first_layer, num_layers):
+                    with self._lock:
+                        self._policies[t].on_access(key)
+                        self._counters[f"loaded_blocks:{t}"] += 1
+                    if t and self.promote_on_hit and first_layer == 0:
+                        self._promote(key, dst, tier.meta(key))
+                    return t
+                with self._lock:  # the tier dropped it (corrupt, I/O error) or lost it
+                    if not tier.contains(key):
+                        self._forget(key, t)
+            return None
+        finally:
+            with self._lock:
+                self._leases.unpin([key])
+                self._bury_doomed([key])
+
+    def _promote(self, key: bytes, payload: np.ndarray, source_meta: BlockMeta | None) -> None:
+        if source_meta is None:  # dropped meanwhile; the caller's bytes were verified, but not worth a slot
+            return
+        meta = source_meta if source_meta.checksums else replace(
+            source_meta, checksums=layer_checksums(payload, source_meta.num_layers))
+        if self._place(0, key, payload, meta):
+            with self._lock:
+                self._counters["promotions_in:0"] += 1
+
+    # ---- put ---------------------------------------------------------------------------
+
+    def put(self, ns_id: bytes, block_hashes: Sequence[bytes], payloads: Sequence, parent: bytes | None = None) -> PutResult:
+        """Store consecutive blocks of one chain. ``parent`` is the hash before ``block_hashes[0]``.
+
+        Validates everything before storing anything. A block already present is a duplicate
+        (left as is); a block no tier has room for is rejected (backpressure, not an error).
+        """
+        spec = self.spec(ns_id)
+        _check_hashes(block_hashes)
+        if parent is not None:
+            _check_hashes([parent])
+        if len(payloads) != len(block_hashes):
+            raise InvalidRequest(f"{len(block_hashes)} block hashes but {len(payloads)} payloads")
+        views = [byte_view(p) for p in payloads]
+        for view in views:
+            check_size(view, spec.block_bytes, "block payload")
+        outcome: Counter[str] = Counter()
+        previous = parent
+        for block_hash, view in zip(block_hashes, views):
+            meta = BlockMeta(spec.block_bytes, spec.num_layers, (), ns_id + previous if previous else None)
+            outcome[self._put_one(ns_id + block_hash, view, meta)] += 1
+            previous = block_hash
+        with self._lock:
+            self._counters["puts"] += 1
+            self._counters.update({f"{k}_blocks": v for k, v in outcome.items()})
+        return PutResult(outcome["stored"], outcome["duplicate"], outcome["rejected"])
+
+    def _put_one(self, key: bytes, view: np.ndarray, meta: BlockMeta) -> str:
+        with self._lock:
+            if self._bits(key) or key in self._inflight:
+                return "duplicate"
+            self._inflight.add(key)
+        try:
+            meta = replace(meta, checksums=layer_checksums(view, meta.num_layers))
+            for t in range(len(self.tiers)):
+                if self._policies[t].admit(key, meta.parent, meta.nbytes) and self._place(t, key, view, meta):
+                    self._write_through(key, t, meta)
+                    return "stored"
+            return "rejected"
+        finally:
+            with self._lock:
+                self._inflight.discard(key)
+
+    def _place(self, t: int, key: bytes, payload: np.ndarray, meta: BlockMeta) -> bool:
+        """Make room in tier ``t`` by policy, write, publish. False when no room can be made."""
+        tier = self.tiers[t]
+        for _ in range(3):  # another thread may take the room between eviction and write
+            with self._lock:
+                if self._bits(key) >> t & 1:
+                    return True
+                if not self._make_room(t, meta.nbytes):
+                    return False
+            if tier.write(key, payload, meta):
+                with self._lock:
+                    self._publish(t, key, meta)
+                return True
+        return False
+
+    def _write_through(self, key: bytes, source: int, meta: BlockMeta) -> None:
+        if self.write_policy != "write_through":
+            return
+        for target in range(source + 1, len(self.tiers)):
+            with self._lock:
+                self._leases.pin([key])
+            job = lambda target=target: self._copy_down(key, source, target, meta)  # noqa: E731
+            if self._writer is None:
+                job()
+            else:
+                self._writer.submit(job)
+
+    def _copy_down(self, key: bytes, source: int, target: int, meta: BlockMeta) -> None:
+        try:
+            payload = self.tiers[source].view(key)
+            if payload is None:
+                payload = np.empty(meta.nbytes, np.uint8)
+                if not self.tiers[source].read(key, payload):
+                    return
+            self._place(target, key, payload, meta)
+        finally:
+            with self._lock:
+                self._leases.unpin([key])
+                self._bury_doomed([key])
+
+    # ---- eviction ----------------------------------------------------------------------
+
+    def _make_room(self, t: int, nbytes: int) -> bool:
+        """Evict victims of tier ``t`` (by its policy) until ``nbytes`` fit. Caller holds the lock."""
+        tier = self.tiers[t]
+        if tier.footprint(nbytes) > tier.capacity_bytes:
+            return False
+        if tier.can_fit(nbytes):
+            return True
+        for helping_only in (True, False):
+            victims = self._policies[t].victims(
+                lambda k: not self._leases.is_pinned(k) and k not in self._inflight
+                and (not helping_only or tier.eviction_helps(k, nbytes))
+            )
+            try:
+                for victim in victims:
+                    self._evict(t, victim)
+                    if tier.can_fit(nbytes):
+                        return True
+            finally:
+                victims.close()
+        return False
+
+    def _evict(self, t: int, key: bytes) -> None:
+        lower = t + 1
+        if self.write_policy == "on_eviction" and lower < len(self.tiers) and not self._bits(key) >> lower:
+            meta = self.tiers[t].meta(key)
+            payload = self.tiers[t].view(key)
+            if payload is None and meta is not None:
+                payload = np.empty(meta.nbytes, np.uint8)
+                payload = payload if self.tiers[t].read(key, payload) else None
+            if meta is not None and payload is not None and self._place(lower, key, payload, meta):
+                self._counters[f"demotions_in:{lower}"] += 1
+        self.tiers[t].remove(key)
+        self._forget(key, t)
+        self._counters[f"evictions:{t}"] += 1
+
+    # ---- directory bookkeeping (caller holds the lock) ------------------------------------
+
+    def _bits(self, key: bytes) -> int:
+        return self._directory.get(key[:DIGEST_BYTES], {}).get(key[DIGEST_BYTES:], 0)
+
+    def _publish(self, t: int, key: bytes, meta: BlockMeta) -> None:
+        residency = self._directory.setdefault(key[:DIGEST_BYTES], {})
+        block_hash = key[DIGEST_BYTES:]
+        residency[block_hash] = residency.get(block_hash, 0) | 1 << t
+        self._policies[t].on_insert(key, meta.parent, meta.nbytes)
+
+    def _forget(self, key: bytes, t: int) -> None:
+        residency = self._directory.get(key[:DIGEST_BYTES])
+        block_hash = key[DIGEST_BYTES:]
+        if residency is not None and block_hash in residency:
+            bits = residency[block_hash] & ~(1 << t)
+            if bits:
+                residency[block_hash] = bits
+            else:
+                del residency[block_hash]
+        self._policies[t].on_remove(key)
+
+    def _lease_keys(self, lease_id: int) -> tuple[bytes, ...]:
+        return self._leases.keys_of(lease_id)
+
+    def _bury_doomed(self, keys) -> None:
+        for key in keys:
+            if key in self._doomed and not self._leases.is_pinned(key):
+                self._doomed.discard(key)
+                self._remove_everywhere(key)
+
+    def _remove_everywhere(self, key: bytes) -> None:
+        bits = self._bits(key)
+        for t, tier in enumerate(self.tiers):
+            if bits >> t & 1:
+                tier.remove(key)
+                self._forget(key, t)
+
+    def _adopt_resident_blocks(self) -> None:
+        """Rebuild the directory and policies from what persistent tiers already hold.
+
+        Parents are inserted before their children so chain structure survives a restart.
+        """
+        for t, tier in enumerate(self.tiers):
+            metas = dict(tier.items())
+            done: set[bytes] = set()
+            for key in metas:
+                chain = []
+                while key in metas and key not in done:
+                    chain.append(key)
+                    done.add(key)
+                    key = metas[key].parent
+                for k in reversed(chain):
+                    self._publish(t, k, metas[k])
+            while tier.used_bytes > tier.capacity_bytes and self._make_room_for_shrink(t):
+                pass
+
+    def _make_room_for_shrink(self, t: int) -> bool:
+        victims = self._policies[t].victims()
+        try:
+            victim = next(victims, None)
+        finally:
+            victims.close()
+        if victim is None:
+            return False
+        self._evict(t, victim)
+        return True
+
+    # ---- maintenance -------------------------------------------------------------------
+
+    def delete_namespace(self, ns_id: bytes) -> int:
+        """Remove every block of a namespace from every tier; returns how many blocks.
+
+        Blocks pinned by a lease or an in-flight copy go as soon as they are unpinned.
+        """
+        self.spec(ns_id)
+        with self._lock:
+            keys = [ns_id + h for h in self._directory.get(ns_id, {})]
+            for key in keys:
+                if self._leases.is_pinned(key):
+                    self._doomed.add(key)
+                else:
+                    self._remove_everywhere(key)
+            return len(keys)
+
+    def flush(self) -> None:
+        """Wait for background writes, then make every tier's completed writes durable."""
+        if self._writer is not None:
+            self._writer.drain()
+        for tier in self.tiers:
+            tier.flush()
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            self._leases.expire()
+            c = self._counters
+            tiers = tuple(
+                replace(
+                    tier.stats(),
+                    hit_blocks=c[f"hit_blocks:{t}"],
+                    loaded_blocks=c[f"loaded_blocks:{t}"],
+                    evictions=c[f"evictions:{t}"],
+                    demotions_in=c[f"demotions_in:{t}"],
+                    promotions_in=c[f"promotions_in:{t}"],
+                )
+                for t, tier in enumerate(self.tiers)
+            )
+            return StoreStats(
+                tiers=tiers,
+                namespaces=len(self._namespaces),
+                lookups=c["lookups"],
+                lookup_blocks=c["lookup_blocks"],
+                hit_blocks=c["hit_blocks"],
+                puts=c["puts"],
+                stored_blocks=c["stored_blocks"],
+                duplicate_blocks=c["duplicate_blocks"],
+                rejected_blocks=c["rejected_blocks"],
+                leases_active=len(self._leases),
+                lease_expiries=self._leases.expired_total,
+                counters={"writes_run_inline": self._writer.ran_inline if self._writer else 0},
+            )
+
+    def check_integrity(self) -> None:
+        """Assert every tier's accounting and that directory, policies and tiers agree.
+
+        Meant for a quiescent store (tests, idle time): call ``flush()`` first.
+        """
+        with self._lock:
+            for t, tier in enumerate(self.tiers):
+                tier.check_integrity()
+                resident = {key for key, _ in tier.items()} - self._inflight
+                listed = {ns + h for ns, hashes in self._directory.items() for h, b in hashes.items() if b >> t & 1}
+                assert resident == listed, f"{tier.name}: directory and tier disagree on {len(resident ^ listed)} blocks"
+                assert len(self._policies[t]) == len(listed), f"{tier.name}: policy tracks a different block set"
+
+    def close(self) -> None:
+        """Finish background writes, flush and close every tier. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._writer is not None:
+            self._writer.drain()
+            self._writer.close()
+        for tier in self.tiers:
+            tier.flush()
+            tier.close()
+
+    def __enter__(self) -> "TieredStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _check_hashes(block_hashes: Sequence[bytes]) -> None:
+    for block_hash in block_hashes:
+        if not isinstance(block_hash, (bytes, bytearray)) or len(block_hash) != DIGEST_BYTES:
+            raise InvalidRequest(
+                f"block hashes must be {DIGEST_BYTES}-byte digests (kvstore.keys.chain_hashes), "
+                f"got {type(block_hash).__name__} of length {len(block_hash) if hasattr(block_hash, '__len__') else '?'}"
+            )

@@ -1,0 +1,122 @@
+"""The tier interface: what the tiered store asks of every medium (device, host, disk, remote).
+
+Keys are opaque 32-byte strings (namespace id + block hash). A tier stores whole blocks, each a
+flat payload split into ``num_layers`` equal layers with one checksum per layer, and reads any
+run of whole layers straight into a caller's buffer.
+
+Contract shared by all tiers:
+- ``write`` makes a block visible only once all its bytes are in place; it returns False when
+  the tier has no room (the store evicts first, by policy) and never evicts on its own.
+- ``read`` returns False on a miss. A block whose bytes fail verification is dropped, counted
+  and reported as a miss: a tier never hands out wrong bytes.
+- Every method is safe to call from several threads. The store guarantees that a block being
+  read is not removed concurrently (it pins it).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import numpy as np
+
+KEY_BYTES = 32
+
+
+@dataclass(frozen=True, slots=True)
+class BlockMeta:
+    """What the store keeps about a resident block besides its bytes."""
+
+    nbytes: int
+    num_layers: int
+    checksums: tuple[int, ...]
+    parent: bytes | None = None  # previous block of the chain (32-byte key), None at a head
+
+    @property
+    def layer_bytes(self) -> int:
+        return self.nbytes // self.num_layers
+
+
+@dataclass(frozen=True)
+class TierStats:
+    name: str
+    capacity_bytes: int
+    used_bytes: int
+    blocks: int
+    bytes_read: int = 0
+    bytes_written: int = 0
+    checksum_failures: int = 0
+    io_errors: int = 0
+    # filled in by the store, which alone sees traffic across tiers:
+    hit_blocks: int = 0  # lookups whose hit was served from this tier (top copy)
+    loaded_blocks: int = 0
+    evictions: int = 0
+    demotions_in: int = 0
+    promotions_in: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class Tier(ABC):
+    name: str
+    capacity_bytes: int
+
+    @property
+    @abstractmethod
+    def used_bytes(self) -> int:
+        """Bytes this tier counts against its capacity (footprints, not payloads)."""
+
+    @abstractmethod
+    def footprint(self, nbytes: int) -> int:
+        """Bytes a payload of ``nbytes`` occupies here (headers, alignment, slot rounding)."""
+
+    @abstractmethod
+    def can_fit(self, nbytes: int) -> bool:
+        """Whether a payload of ``nbytes`` fits now without evicting anything."""
+
+    def max_block_bytes(self) -> int | None:
+        """Largest payload footprint one block may have here (None: no limit)."""
+        return None
+
+    def eviction_helps(self, victim: bytes, nbytes: int) -> bool:
+        """Whether evicting ``victim`` brings a payload of ``nbytes`` closer to fitting."""
+        return True
+
+    @abstractmethod
+    def contains(self, key: bytes) -> bool: ...
+
+    @abstractmethod
+    def meta(self, key: bytes) -> BlockMeta | None: ...
+
+    @abstractmethod
+    def items(self) -> Iterator[tuple[bytes, BlockMeta]]:
+        """Snapshot of every resident block (for the store to rebuild its directory)."""
+
+    def view(self, key: bytes) -> np.ndarray | None:
+        """Zero-copy read-only view of a payload where the medium allows it (else None)."""
+        return None
+
+    @abstractmethod
+    def write(self, key: bytes, payload: np.ndarray, meta: BlockMeta) -> bool:
+        """Store ``payload`` (flat uint8, ``meta.nbytes``) under ``key``; False when out of room."""
+
+    @abstractmethod
+    def read(self, key: bytes, dst: np.ndarray, first_layer: int = 0, num_layers: int | None = None) -> bool:
+        """Copy whole layers ``[first_layer, first_layer + num_layers)`` into ``dst``; False on a miss."""
+
+    @abstractmethod
+    def remove(self, key: bytes) -> bool:
+        """Forget ``key`` and reclaim its space; False when it was not resident."""
+
+    @abstractmethod
+    def check_integrity(self) -> None:
+        """Assert the tier's accounting holds (``free + used == capacity`` and friends)."""
+
+    @abstractmethod
+    def stats(self) -> TierStats: ...
+
+    def flush(self) -> None:
+        """Make every completed write durable (no-op for volatile tiers)."""
+
+    def close(self) -> None:
+        """Release the tier's resources; the tier is unusable afterwards."""

@@ -1,0 +1,453 @@
+"""Disk tier: append-only segment files hold block bytes; a RocksDB index maps key -> record.
+
+    DIR/segments/00000001.seg ...   records (format in ``kvstore.tiers.segment``)
+    DIR/index/                      RocksDB: b"b" + key -> entry, b"m/tail" -> active tail
+
+Why the bytes are not in RocksDB: blob reads through it measured 0.74 GB/s here against
+6.7 GB/s for ``preadv`` into the destination buffer (DESIGN.md section 7). Reads go straight
+into the caller's buffer with one ``preadv`` (header page + payload) and every layer read is
+verified against the checksums in the record header: a mismatch is a miss, the entry is
+dropped and counted, and nothing wrong is ever served.
+
+Crash safety: a record's bytes are written before its index entry, in the same order every
+time. On open, the active segment is cut back to the last committed tail (a partly written
+record disappears), index entries whose segment file vanished are dropped, bytes no live record
+covers are punched out, and a missing or unreadable index is rebuilt from the segments (newest
+sequence number wins). ``durable=True`` acknowledges a write only after ``fdatasync`` and a
+synced index write.
+
+Space: capacity counts record footprints. Removing a record punches a hole over it; a segment
+with no live record left is deleted. On a file system without hole punching the dead bytes
+keep counting until their whole segment dies.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import numpy as np
+from rocksdict import Options, Rdict, WriteBatch, WriteOptions
+
+from kvstore.checksum import layers_match
+from kvstore.errors import InvalidRequest, StoreClosed
+from kvstore.tiers.base import KEY_BYTES, BlockMeta, Tier, TierStats
+from kvstore.tiers.segment import HEADER_BYTES, MAX_LAYERS, RecordHeader, footprint, punch_hole, scan_segment
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SEGMENT_BYTES = 256 << 20
+_BLOCK = b"b"
+_TAIL = b"m/tail"
+_FORMAT = b"m/format"
+_FORMAT_VERSION = b"kvstore-disk-1"
+_ENTRY = struct.Struct("<IQQIQ32sB")  # segment, offset, nbytes, num_layers, seq, parent, has_parent
+_TAIL_VALUE = struct.Struct("<IQ")
+_ZEROS = bytes(HEADER_BYTES)
+
+
+@dataclass(slots=True)
+class _Entry:
+    segment: int
+    offset: int
+    nbytes: int
+    num_layers: int
+    seq: int
+    parent: bytes | None
+
+    def encode(self) -> bytes:
+        return _ENTRY.pack(
+            self.segment, self.offset, self.nbytes, self.num_layers, self.seq,
+            self.parent or bytes(32), self.parent is not None,
+        )
+
+    @classmethod
+    def decode(cls, raw: bytes) -> "_Entry":
+        segment, offset, nbytes, num_layers, seq, parent, has_parent = _ENTRY.unpack(raw)
+        return cls(segment, offset, nbytes, num_layers, seq, parent if has_parent else None)
+
+
+class _Segment:
+    """One open segment file. Readers hold a reference while they read, so the descriptor stays
+    valid even if the segment is deleted meanwhile (it closes with the last reference)."""
+
+    def __init__(self, segment_id: int, path: str):
+        self.id = segment_id
+        self.path = path
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        self.live_bytes = 0
+        self.dead_bytes = 0  # removed but not reclaimable (no hole punching)
+        self.dirty = False
+
+    def __del__(self) -> None:
+        fd, self.fd = getattr(self, "fd", -1), -1
+        if fd >= 0:
+            os.close(fd)
+
+
+def _segment_name(segment_id: int) -> str:
+    return f"{segment_id:08d}.seg"
+
+
+class DiskTier(Tier):
+    name = "disk"
+
+    def __init__(
+        self,
+        path: str,
+        capacity_bytes: int,
+        segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+        durable: bool = False,
+        progress: Callable[[str, int], Callable[[int], None]] | None = None,
+    ):
+        if capacity_bytes < HEADER_BYTES * 2:
+            raise InvalidRequest(f"disk tier capacity must be at least {HEADER_BYTES * 2} bytes")
+        self.path = os.path.abspath(path)
+        self.capacity_bytes = capacity_bytes
+        self.segment_bytes = segment_bytes
+        self.durable = durable
+        self._segments_dir = os.path.join(self.path, "segments")
+        os.makedirs(self._segments_dir, exist_ok=True)
+        self._lock = threading.RLock()
+        self._index: dict[bytes, _Entry] = {}
+        self._segments: dict[int, _Segment] = {}
+        self._active: _Segment | None = None
+        self._tail = 0
+        self._seq = 0
+        self._write_opt = WriteOptions()
+        self._write_opt.sync = durable
+        self._counters = dict.fromkeys(
+            ("bytes_read", "bytes_written", "checksum_failures", "io_errors", "recovered_lost_blocks",
+             "recovered_truncated_bytes", "index_rebuilds"), 0)
+        self._closed = False
+        self._progress = progress
+        self._db = self._open_index()
+        self._recover()
+
+    # ---- open and recovery -------------------------------------------------------------
+
+    def _open_index(self) -> Rdict:
+        index_dir = os.path.join(self.path, "index")
+        try:
+            return Rdict(index_dir, options=Options(raw_mode=True))
+        except Exception as exc:  # corrupt or unreadable: keep it aside and rebuild
+            aside = f"{index_dir}.corrupt-{int(time.time())}"
+            log.warning("disk index at %s unreadable (%s); moved to %s, rebuilding", index_dir, exc, aside)
+            shutil.move(index_dir, aside)
+            return Rdict(index_dir, options=Options(raw_mode=True))
+
+    def _segment_ids_on_disk(self) -> list[int]:
+        ids = []
+        for name in os.listdir(self._segments_dir):
+            if name.endswith(".seg") and name[:-4].isdigit():
+                ids.append(int(name[:-4]))
+        return sorted(ids)
+
+    def _recover(self) -> None:
+        on_disk = self._segment_ids_on_disk()
+        if self._db.get(_FORMAT) is None:
+            if on_disk:
+                self._rebuild_index(on_disk)
+            self._db.put(_FORMAT, _FORMAT_VERSION)
+        self._load_index(on_disk)
+        self._reclaim_uncovered()
+
+    def _load_index(self, on_disk: list[int]) -> None:
+        present = set(on_disk)
+        tail = self._db.get(_TAIL)
+        tail_segment, tail_offset = _TAIL_VALUE.unpack(tail) if tail else (0, 0)
+        lost = WriteBatch(raw_mode=True)
+        for raw_key, raw_value in self._db.items(from_key=_BLOCK):
+            if not raw_key.startswith(_BLOCK):
+                break
+            entry = _Entry.decode(raw_value)
+            beyond_tail = (entry.segment, entry.offset) >= (tail_segment, tail_offset)
+            if entry.segment not in present or beyond_tail:
+                lost.delete(raw_key)
+                self._counters["recovered_lost_blocks"] += 1
+                continue
+            self._index[raw_key[1:]] = entry
+            self._seq = max(self._seq, entry.seq + 1)
+        if self._counters["recovered_lost_blocks"]:
+            log.warning("disk tier %s: %d index entries pointed at missing segments; dropped",
+                        self.path, self._counters["recovered_lost_blocks"])
+            self._db.write(lost)
+        for segment_id in on_disk:
+            if segment_id > tail_segment:  # created, but nothing in it was ever committed
+                os.unlink(os.path.join(self._segments_dir, _segment_name(segment_id)))
+                continue
+            self._segments[segment_id] = _Segment(segment_id, os.path.join(self._segments_dir, _segment_name(segment_id)))
+        for entry in self._index.values():
+            self._segments[entry.segment].live_bytes += footprint(entry.nbytes)
+        if tail_segment in self._segments:
+            self._active = self._segments[tail_segment]
+            size = os.fstat(self._active.fd).st_size
+            if size > tail_offset:  # a record was being written when the process died
+                os.ftruncate(self._active.fd, tail_offset)
+                self._counters["recovered_truncated_bytes"] += size - tail_offset
+            self._tail = tail_offset
+
+    def _rebuild_index(self, on_disk: list[int]) -> None:
+        """Recreate the index from segment headers, verifying every payload."""
+        self._counters["index_rebuilds"] += 1
+        total = sum(os.path.getsize(os.path.join(self._segments_dir, _segment_name(i))) for i in on_disk)
+        advance = self._progress("rebuilding disk index", total) if self._progress else None
+        log.warning("disk tier %s: no index, rebuilding from %d segments (%d bytes)", self.path, len(on_disk), total)
+        best: dict[bytes, _Entry] = {}
+        tail = (0, 0)
+        for segment_id in on_disk:
+            path = os.path.join(self._segments_dir, _segment_name(segment_id))
+            for record in scan_segment(path, verify=True, progress=advance):
+                if not record.valid:
+                    continue
+                h = record.header
+                if h.key not in best or best[h.key].seq < h.seq:
+                    best[h.key] = _Entry(segment_id, record.offset, h.nbytes, h.num_layers, h.seq, h.parent)
+                tail = max(tail, (segment_id, record.offset + footprint(h.nbytes)))
+        batch = WriteBatch(raw_mode=True)
+        for key, entry in best.items():
+            batch.put(_BLOCK + key, entry.encode())
+        batch.put(_TAIL, _TAIL_VALUE.pack(*tail))
+        self._db.write(batch)
+
+    def _reclaim_uncovered(self) -> None:
+        """Punch every byte range of every segment that no live record covers."""
+        covered: dict[int, list[tuple[int, int]]] = {sid: [] for sid in self._segments}
+        for entry in self._index.values():
+            covered[entry.segment].append((entry.offset, entry.offset + footprint(entry.nbytes)))
+        for segment_id, segment in list(self._segments.items()):
+            if not covered[segment_id] and segment is not self._active:
+                self._delete_segment(segment)
+                continue
+            cursor = 0
+            end_of_file = os.fstat(segment.fd).st_size
+            for start, end in sorted(covered[segment_id]) + [(end_of_file, end_of_file)]:
+                if start > cursor and not punch_hole(segment.fd, cursor, start - cursor):
+                    segment.dead_bytes += start - cursor
+                cursor = max(cursor, end)
+
+    # ---- the Tier interface ------------------------------------------------------------
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(s.live_bytes + s.dead_bytes for s in self._segments.values())
+
+    def footprint(self, nbytes: int) -> int:
+        return footprint(nbytes)
+
+    def can_fit(self, nbytes: int) -> bool:
+        return self.used_bytes + footprint(nbytes) <= self.capacity_bytes
+
+    def contains(self, key: bytes) -> bool:
+        return key in self._index
+
+    def meta(self, key: bytes) -> BlockMeta | None:
+        entry = self._index.get(key)
+        if entry is None:
+            return None
+        header = self._read_header(entry)
+        return None if header is None else BlockMeta(entry.nbytes, entry.num_layers, header.checksums, entry.parent)
+
+    def items(self) -> Iterator[tuple[bytes, BlockMeta]]:
+        """Resident blocks with parents; checksums are left empty (they stay on disk)."""
+        with self._lock:
+            snapshot = [(k, BlockMeta(e.nbytes, e.num_layers, (), e.parent)) for k, e in self._index.items()]
+        return iter(snapshot)
+
+    def write(self, key: bytes, payload: np.ndarray, meta: BlockMeta) -> bool:
+        assert len(key) == KEY_BYTES and payload.nbytes == meta.nbytes, "malformed write (store bug)"
+        if not 0 < meta.num_layers <= MAX_LAYERS:
+            raise InvalidRequest(f"a disk record holds 1..{MAX_LAYERS} layers, got {meta.num_layers}")
+        size = footprint(meta.nbytes)
+        with self._lock:
+            self._check_open()
+            assert key not in self._index, "duplicate disk write (store bug)"
+            if self.used_bytes + size > self.capacity_bytes:
+                return False
+            if self._active is None or (self._tail and self._tail + size > self.segment_bytes):
+                self._roll_segment()
+            segment, offset = self._active, self._tail
+            entry = _Entry(segment.id, offset, meta.nbytes, meta.num_layers, self._seq, meta.parent)
+            header = RecordHeader(key, meta.nbytes, meta.num_layers, self._seq, meta.parent, meta.checksums)
+            try:
+                self._write_record(segment, offset, header.encode(), payload, size)
+                batch = WriteBatch(raw_mode=True)
+                batch.put(_BLOCK + key, entry.encode())
+                batch.put(_TAIL, _TAIL_VALUE.pack(segment.id, offset + size))
+                self._db.write(batch, write_opt=self._write_opt)
+            except OSError as exc:
+                self._counters["io_errors"] += 1
+                log.error("disk tier %s: write failed (%s); block not stored", self.path, exc)
+                _truncate_quietly(segment.fd, offset)
+                return False
+            self._index[key] = entry
+            self._seq += 1
+            self._tail = offset + size
+            segment.live_bytes += size
+            self._counters["bytes_written"] += meta.nbytes
+            return True
+
+    def _write_record(self, segment: _Segment, offset: int, header: bytes, payload: np.ndarray, size: int) -> None:
+        pad = size - HEADER_BYTES - payload.nbytes
+        buffers = [memoryview(header), memoryview(payload).cast("B"), memoryview(_ZEROS)[:pad]]
+        while buffers:
+            written = os.pwritev(segment.fd, buffers, offset)
+            offset += written
+            while buffers and written >= len(buffers[0]):
+                written -= len(buffers[0])
+                buffers.pop(0)
+            if buffers and written:
+                buffers[0] = buffers[0][written:]
+        segment.dirty = True
+        if self.durable:
+            os.fdatasync(segment.fd)
+
+    def _roll_segment(self) -> None:
+        next_id = max(self._segments, default=0) + 1
+        segment = _Segment(next_id, os.path.join(self._segments_dir, _segment_name(next_id)))
+        self._segments[next_id] = segment
+        old, self._active, self._tail = self._active, segment, 0
+        if old is not None and old.live_bytes == 0:
+            self._delete_segment(old)
+
+    def read(self, key: bytes, dst: np.ndarray, first_layer: int = 0, num_layers: int | None = None) -> bool:
+        self._check_open()
+        entry = self._index.get(key)
+        if entry is None:
+            return False
+        segment = self._segments.get(entry.segment)  # a reference keeps the descriptor open
+        count = entry.num_layers - first_layer if num_layers is None else num_layers
+        layer_bytes = entry.nbytes // entry.num_layers
+        assert dst.nbytes == count * layer_bytes, "destination size checked by the store (bug)"
+        header_page = np.empty(HEADER_BYTES, np.uint8)
+        try:
+            if segment is None:
+                raise FileNotFoundError(f"segment {entry.segment} is gone")
+            if first_layer == 0 and count == entry.num_layers:
+                complete = os.preadv(segment.fd, [header_page, dst], entry.offset) == HEADER_BYTES + dst.nbytes
+            else:
+                complete = os.preadv(segment.fd, [header_page], entry.offset) == HEADER_BYTES
+                start = entry.offset + HEADER_BYTES + first_layer * layer_bytes
+                complete = complete and os.preadv(segment.fd, [dst], start) == dst.nbytes
+        except OSError as exc:
+            self._counters["io_errors"] += 1
+            log.warning("disk tier %s: read of a block failed (%s); dropped", self.path, exc)
+            self.remove(key)
+            return False
+        header = RecordHeader.decode(header_page) if complete else None
+        if not (header and header.key == key and header.nbytes == entry.nbytes
+                and layers_match(dst, header.checksums[first_layer : first_layer + count])):
+            self._counters["checksum_failures"] += 1
+            log.warning("disk tier %s: block failed verification; dropped", self.path)
+            self.remove(key)
+            return False
+        self._counters["bytes_read"] += dst.nbytes
+        return True
+
+    def _read_header(self, entry: _Entry) -> RecordHeader | None:
+        segment = self._segments.get(entry.segment)
+        if segment is None:
+            return None
+        return RecordHeader.decode(os.pread(segment.fd, HEADER_BYTES, entry.offset))
+
+    def remove(self, key: bytes) -> bool:
+        with self._lock:
+            entry = self._index.pop(key, None)
+            if entry is None:
+                return False
+            size = footprint(entry.nbytes)
+            try:
+                self._db.delete(_BLOCK + key)
+            except Exception as exc:  # the index entry may reappear after restart; its bytes still verify
+                log.error("disk tier %s: index delete failed: %s", self.path, exc)
+            segment = self._segments[entry.segment]
+            segment.live_bytes -= size
+            if segment.live_bytes == 0 and segment is not self._active:
+                self._delete_segment(segment)
+            elif not punch_hole(segment.fd, entry.offset, size):
+                segment.dead_bytes += size
+            return True
+
+    def _delete_segment(self, segment: _Segment) -> None:
+        del self._segments[segment.id]
+        try:
+            os.unlink(segment.path)
+        except FileNotFoundError:
+            pass
+
+    # ---- maintenance -------------------------------------------------------------------
+
+    def flush(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            for segment in self._segments.values():
+                if segment.dirty:
+                    os.fdatasync(segment.fd)
+                    segment.dirty = False
+            self._db.flush_wal(True)
+
+    def drop_page_cache(self) -> None:
+        """Flush, then ask the kernel to drop these segments' cached pages (for cold-read tests)."""
+        self.flush()
+        for segment in list(self._segments.values()):
+            os.posix_fadvise(segment.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+    def allocated_bytes(self) -> int:
+        """Bytes the file system really holds for the segments (holes excluded)."""
+        return sum(os.fstat(s.fd).st_blocks * 512 for s in list(self._segments.values()))
+
+    def check_integrity(self) -> None:
+        with self._lock:
+            live: dict[int, int] = {sid: 0 for sid in self._segments}
+            for key, entry in self._index.items():
+                assert len(key) == KEY_BYTES, "malformed key in the disk index"
+                assert entry.segment in self._segments, f"entry points at missing segment {entry.segment}"
+                live[entry.segment] += footprint(entry.nbytes)
+            for sid, segment in self._segments.items():
+                assert live[sid] == segment.live_bytes, f"segment {sid}: live bytes disagree with the index"
+                assert os.path.exists(segment.path), f"segment file {segment.path} vanished"
+            assert self.used_bytes <= self.capacity_bytes, "disk tier over capacity"
+            if self._active is not None:
+                assert os.fstat(self._active.fd).st_size == self._tail, "active segment longer than its tail"
+
+    def stats(self) -> TierStats:
+        counters = dict(self._counters)
+        return TierStats(
+            name=self.name,
+            capacity_bytes=self.capacity_bytes,
+            used_bytes=self.used_bytes,
+            blocks=len(self._index),
+            bytes_read=counters.pop("bytes_read"),
+            bytes_written=counters.pop("bytes_written"),
+            checksum_failures=counters.pop("checksum_failures"),
+            io_errors=counters.pop("io_errors"),
+            extra={"segments": len(self._segments), "path": self.path, **counters},
+        )
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self.flush()
+            self._closed = True
+            self._db.close()
+            self._segments.clear()
+            self._active = None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosed(f"disk tier at {self.path} is closed")
+
+
+def _truncate_quietly(fd: int, length: int) -> None:
+    try:
+        os.ftruncate(fd, length)
+    except OSError:
+        pass

@@ -1,0 +1,181 @@
+"""Host tier: block payloads in one shared-memory segment of fixed-size slab slots.
+
+The arena is a file under ``/dev/shm`` (any tmpfs directory), mapped into this process, so other
+processes on the host can map the same bytes (the sidecar's zero-copy path): ``segment_path``
+and ``slot_of(key)`` describe where a block lives. The index (key -> slot, meta) lives in the
+owning process only. Payloads are copied with ``numpy.copyto`` (memcpy speed, GIL released).
+
+This tier trusts DRAM: reads are not re-verified (the per-layer checksums travel with the block
+so a lower tier, or a remote client committing into a slot, can verify).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import uuid
+from typing import Iterator
+
+import numpy as np
+
+from kvstore.errors import InvalidRequest, StoreClosed
+from kvstore.tiers.base import BlockMeta, Tier, TierStats
+from kvstore.tiers.slab import SlabAllocator
+
+DEFAULT_PAGE_BYTES = 64 << 20
+
+
+def default_shm_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
+
+
+class HostTier(Tier):
+    name = "host"
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        page_bytes: int = DEFAULT_PAGE_BYTES,
+        shm_dir: str | None = None,
+        segment_name: str | None = None,
+    ):
+        page_bytes = min(page_bytes, capacity_bytes) // 4096 * 4096
+        if page_bytes <= 0:
+            raise InvalidRequest(f"host tier capacity must be at least 4096 bytes, got {capacity_bytes}")
+        self._slab = SlabAllocator(capacity_bytes, page_bytes)
+        self.capacity_bytes = self._slab.capacity_bytes
+        name = segment_name or f"kvstore-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.segment_path = os.path.join(shm_dir or default_shm_dir(), name)
+        fd = os.open(self.segment_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, self.capacity_bytes)
+            self._mmap = mmap.mmap(fd, self.capacity_bytes)
+        finally:
+            os.close(fd)
+        self._arena = np.frombuffer(self._mmap, dtype=np.uint8)  # [capacity] bytes
+        self._index: dict[bytes, tuple[int, BlockMeta]] = {}
+        self._reserved: dict[bytes, int] = {}
+        self._lock = threading.Lock()
+        self._bytes_read = 0
+        self._bytes_written = 0
+        self._closed = False
+
+    @property
+    def used_bytes(self) -> int:
+        return self._slab.used_bytes
+
+    def footprint(self, nbytes: int) -> int:
+        return self._slab.slot_bytes(nbytes)
+
+    def can_fit(self, nbytes: int) -> bool:
+        with self._lock:
+            return self._slab.can_allocate(nbytes)
+
+    def max_block_bytes(self) -> int:
+        return self._slab.page_bytes
+
+    def eviction_helps(self, victim: bytes, nbytes: int) -> bool:
+        entry = self._index.get(victim)
+        return entry is not None and self._slab.slot_class(entry[0]) == self._slab.slot_bytes(nbytes)
+
+    def contains(self, key: bytes) -> bool:
+        return key in self._index
+
+    def meta(self, key: bytes) -> BlockMeta | None:
+        entry = self._index.get(key)
+        return entry[1] if entry else None
+
+    def items(self) -> Iterator[tuple[bytes, BlockMeta]]:
+        with self._lock:
+            snapshot = [(key, meta) for key, (_, meta) in self._index.items()]
+        return iter(snapshot)
+
+    def slot_of(self, key: bytes) -> tuple[int, int] | None:
+        """``(offset, nbytes)`` of a resident block inside ``segment_path``."""
+        entry = self._index.get(key)
+        return (entry[0], entry[1].nbytes) if entry else None
+
+    def view(self, key: bytes) -> np.ndarray | None:
+        """Zero-copy read-only view of a resident payload; valid while the caller pins the key."""
+        entry = self._index.get(key)
+        if entry is None:
+            return None
+        offset, meta = entry
+        view = self._arena[offset : offset + meta.nbytes]
+        view.flags.writeable = False
+        return view
+
+    def write(self, key: bytes, payload: np.ndarray, meta: BlockMeta) -> bool:
+        self._check_open()
+        assert payload.nbytes == meta.nbytes, "payload size disagrees with its meta (store bug)"
+        with self._lock:
+            assert key not in self._index and key not in self._reserved, "duplicate host write (store bug)"
+            offset = self._slab.allocate(meta.nbytes)
+            if offset is None:
+                return False
+            self._reserved[key] = offset
+        np.copyto(self._arena[offset : offset + meta.nbytes], payload)
+        with self._lock:
+            del self._reserved[key]
+            self._index[key] = (offset, meta)
+            self._bytes_written += meta.nbytes
+        return True
+
+    def read(self, key: bytes, dst: np.ndarray, first_layer: int = 0, num_layers: int | None = None) -> bool:
+        self._check_open()
+        entry = self._index.get(key)
+        if entry is None:
+            return False
+        offset, meta = entry
+        count = meta.num_layers - first_layer if num_layers is None else num_layers
+        start = offset + first_layer * meta.layer_bytes
+        np.copyto(dst, self._arena[start : start + count * meta.layer_bytes])
+        self._bytes_read += dst.nbytes
+        return True
+
+    def remove(self, key: bytes) -> bool:
+        with self._lock:
+            entry = self._index.pop(key, None)
+            if entry is None:
+                return False
+            self._slab.free(entry[0])
+            return True
+
+    def check_integrity(self) -> None:
+        with self._lock:
+            offsets = [offset for offset, _ in self._index.values()] + list(self._reserved.values())
+            self._slab.check_integrity(offsets)
+            assert len(set(offsets)) == len(offsets), "two blocks share a slot"
+            free = self.capacity_bytes - self._slab.used_bytes
+            assert free >= 0 and free + self._slab.used_bytes == self.capacity_bytes
+
+    def stats(self) -> TierStats:
+        return TierStats(
+            name=self.name,
+            capacity_bytes=self.capacity_bytes,
+            used_bytes=self.used_bytes,
+            blocks=len(self._index),
+            bytes_read=self._bytes_read,
+            bytes_written=self._bytes_written,
+            extra={"segment_path": self.segment_path, "page_bytes": self._slab.page_bytes},
+        )
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._index.clear()
+        self._arena = None
+        try:
+            self._mmap.close()
+        except BufferError:
+            pass  # a caller still holds a view; the mapping goes with the last reference
+        try:
+            os.unlink(self.segment_path)
+        except FileNotFoundError:
+            pass
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosed("host tier is closed")
