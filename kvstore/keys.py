@@ -132,8 +132,14 @@ def chain_hashes(
     """
     if len(seed) != DIGEST_BYTES:
         raise InvalidRequest(f"seed must be {DIGEST_BYTES} bytes, got {len(seed)}")
+    if parent is not None and len(parent) != DIGEST_BYTES:
+        raise InvalidRequest(f"parent must be a {DIGEST_BYTES}-byte block hash, got {len(parent)} bytes")
+    if block_size <= 0:
+        raise InvalidRequest(f"block_size must be positive, got {block_size}")
     packed = _packed_tokens(tokens)
     n = len(packed) // block_size
+    if n == 0:
+        return []  # no full block (memoryview cannot cast an empty 2-D array)
     width = DIGEST_BYTES + 4 * block_size
     # rows: [n, 16 + 4*block_size] bytes = [previous digest | this block's tokens]
     rows = np.empty((n, width), np.uint8)

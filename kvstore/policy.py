@@ -71,6 +71,9 @@ class ChainPolicy(EvictionPolicy):
         self._entries: dict[bytes, Entry] = {}
         self._heap: list[tuple[float, int, bytes, int]] = []  # (priority, seq, key, version)
         self._clock = 0
+        # resident children of keys that are not resident themselves (a child demoted before its
+        # parent, a parent dropped while its children stay): the parent starts with this count
+        self._orphans: dict[bytes, int] = {}
 
     @abstractmethod
     def priority(self, key: bytes, entry: Entry) -> float:
@@ -85,10 +88,14 @@ class ChainPolicy(EvictionPolicy):
     def on_insert(self, key: bytes, parent: bytes | None, nbytes: int) -> None:
         assert key not in self._entries, "policy told about a block inserted twice (store bug)"
         self._clock += 1
-        self._entries[key] = Entry(parent, nbytes, last_access=self._clock, accesses=1)
-        parent_entry = self._entries.get(parent) if parent is not None else None
-        if parent_entry is not None:
-            parent_entry.children += 1
+        children = self._orphans.pop(key, 0)
+        self._entries[key] = Entry(parent, nbytes, children, last_access=self._clock, accesses=1)
+        if parent is not None:
+            parent_entry = self._entries.get(parent)
+            if parent_entry is not None:
+                parent_entry.children += 1
+            else:
+                self._orphans[parent] = self._orphans.get(parent, 0) + 1
         self._queue(key)
 
     def on_access(self, key: bytes) -> None:
@@ -102,12 +109,20 @@ class ChainPolicy(EvictionPolicy):
 
     def on_remove(self, key: bytes) -> None:
         entry = self._entries.pop(key, None)
-        if entry is None or entry.parent is None:
+        if entry is None:
+            return
+        if entry.children:
+            self._orphans[key] = entry.children
+        if entry.parent is None:
             return
         parent_entry = self._entries.get(entry.parent)
         if parent_entry is not None:
             parent_entry.children -= 1
             self._queue(entry.parent)
+        else:
+            left = self._orphans.pop(entry.parent) - 1
+            if left:
+                self._orphans[entry.parent] = left
 
     def victims(self, evictable: Callable[[bytes], bool] = lambda k: True) -> Iterator[bytes]:
         deferred: list[tuple[float, int, bytes, int]] = []

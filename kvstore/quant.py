@@ -31,6 +31,13 @@ def _check_last_dim(name: str, x: torch.Tensor, width: int) -> None:
         raise InvalidRequest(f"{name} must have last dimension {width}, got shape {tuple(x.shape)}")
 
 
+def _check_same_tokens(latent: torch.Tensor, rope: torch.Tensor) -> None:
+    if latent.shape[:-1] != rope.shape[:-1]:
+        raise InvalidRequest(
+            f"latent and rope key must cover the same tokens, got shapes {tuple(latent.shape)} and {tuple(rope.shape)}"
+        )
+
+
 def hf_rope_to_interleaved(hf: torch.Tensor) -> torch.Tensor:
     """[..., 64] HF order (evens then odds) -> [..., 64] interleaved pairs."""
     _check_last_dim("rope key", hf, ROPE_DIM)
@@ -63,6 +70,7 @@ def pack_mla_bf16(latent: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     """latent [T, 512], rope [T, 64] (interleaved) -> page [T, 1152] uint8 (bf16 values)."""
     _check_last_dim("latent", latent, KV_LORA_RANK)
     _check_last_dim("rope key", rope, ROPE_DIM)
+    _check_same_tokens(latent, rope)
     values = torch.cat([latent.to(torch.bfloat16), rope.to(torch.bfloat16)], dim=-1)  # [T, 576]
     return _bytes_of(values)
 
@@ -84,6 +92,7 @@ def quantize_mla_fp8_ds(
     """
     _check_last_dim("latent", latent, KV_LORA_RANK)
     _check_last_dim("rope key", rope, ROPE_DIM)
+    _check_same_tokens(latent, rope)
     tiles = latent.float().reshape(*latent.shape[:-1], KV_LORA_RANK // MLA_TILE, MLA_TILE)
     scale = _scales(tiles.abs().amax(dim=-1), pow2_scales)  # [T, 4] fp32
     fp8 = (tiles / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)

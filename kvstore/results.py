@@ -35,7 +35,9 @@ class LoadResult:
     """How many of the requested blocks were copied, in order, and from which tier each came.
 
     A load stops at the first block it cannot serve (missing, or dropped as corrupt), so the
-    caller's buffers ``[0, loaded_blocks)`` hold verified bytes and the rest are untouched.
+    caller's buffers ``[0, loaded_blocks)`` hold verified bytes. Buffer ``loaded_blocks`` may hold
+    the bytes that failed verification (they were read into it before the check) and must not be
+    used; the ones after it are untouched.
     """
 
     requested_blocks: int

@@ -27,7 +27,7 @@ import numpy as np
 
 from kvstore.buffers import byte_view, check_size
 from kvstore.checksum import layer_checksums
-from kvstore.errors import InvalidRequest, UnknownLease, UnknownNamespace
+from kvstore.errors import InvalidRequest, StoreClosed, UnknownLease, UnknownNamespace
 from kvstore.keys import DIGEST_BYTES, Namespace
 from kvstore.layout import BlockSpec
 from kvstore.lease import LeaseTable
@@ -37,6 +37,7 @@ from kvstore.tiers.base import BlockMeta, Tier
 from kvstore.writer import BackgroundWriter
 
 WRITE_POLICIES = ("write_through", "on_eviction")
+_TOP_TIER = tuple((bits & -bits).bit_length() - 1 for bits in range(64))  # lowest set bit, small masks
 
 
 class TieredStore:
@@ -68,6 +69,7 @@ class TieredStore:
         self._namespaces: dict[bytes, tuple[Namespace, BlockSpec]] = {}
         self._directory: dict[bytes, dict[bytes, int]] = {}  # ns id -> block hash -> tier bits
         self._inflight: set[bytes] = set()  # keys being put right now
+        self._placing: set[tuple[int, bytes]] = set()  # (tier, key) being written by _place right now
         self._doomed: set[bytes] = set()  # deleted while pinned: removed at the last unpin
         self._leases = LeaseTable(max_leases, clock)
         self._lock = threading.RLock()
@@ -80,6 +82,8 @@ class TieredStore:
 
     def register_namespace(self, namespace: Namespace) -> bytes:
         """Make a namespace usable; idempotent. Returns its 16-byte id."""
+        if self._closed:
+            raise StoreClosed("the store is closed")
         spec = BlockSpec.of(namespace)
         for tier in self.tiers:
             limit = tier.max_block_bytes()
@@ -94,6 +98,8 @@ class TieredStore:
         return namespace.id
 
     def spec(self, ns_id: bytes) -> BlockSpec:
+        if self._closed:
+            raise StoreClosed("the store is closed")
         try:
             return self._namespaces[ns_id][1]
         except KeyError:
@@ -109,19 +115,20 @@ class TieredStore:
         spec = self.spec(ns_id)
         _check_hashes(block_hashes)
         with self._lock:
-            self._leases.expire()
+            self._expire_leases()
             residency = self._directory[ns_id]
+            doomed = self._doomed  # deleted while leased: still resident, but no longer a hit
             top: list[int] = []
             for block_hash in block_hashes:
                 bits = residency.get(block_hash, 0)
-                if not bits:
+                if not bits or (doomed and ns_id + block_hash in doomed):
                     break
-                top.append((bits & -bits).bit_length() - 1)
+                top.append(_TOP_TIER[bits] if bits < len(_TOP_TIER) else (bits & -bits).bit_length() - 1)
             self._counters["lookups"] += 1
             self._counters["lookup_blocks"] += len(block_hashes)
             self._counters["hit_blocks"] += len(top)
-            for t in top:
-                self._counters[f"hit_blocks:{t}"] += 1
+            for t in set(top):
+                self._counters[f"hit_blocks:{t}"] += top.count(t)
             lease = None
             if lease_ttl_s is not None and top:
                 lease = self._leases.grant([ns_id + h for h in block_hashes[: len(top)]], lease_ttl_s)
@@ -132,6 +139,7 @@ class TieredStore:
     def release(self, lease_id: int) -> None:
         """End a lease. Raises ``UnknownLease`` if it was never issued, released or expired."""
         with self._lock:
+            self._expire_leases()
             keys = self._lease_keys(lease_id)
             if not self._leases.release(lease_id):
                 raise UnknownLease(f"lease {lease_id} is unknown: never issued, already released, or expired")
@@ -205,6 +213,8 @@ class TieredStore:
     def _promote(self, key: bytes, payload: np.ndarray, source_meta: BlockMeta | None) -> None:
         if source_meta is None:  # dropped meanwhile; the caller's bytes were verified, but not worth a slot
             return
+        if payload.nbytes != source_meta.nbytes:  # one layer (load_layer) is not a block
+            return
         meta = source_meta if source_meta.checksums else replace(
             source_meta, checksums=layer_checksums(payload, source_meta.num_layers))
         if self._place(0, key, payload, meta):
@@ -256,17 +266,26 @@ class TieredStore:
                 self._inflight.discard(key)
 
     def _place(self, t: int, key: bytes, payload: np.ndarray, meta: BlockMeta) -> bool:
-        """Make room in tier ``t`` by policy, write, publish. False when no room can be made."""
+        """Make room in tier ``t`` by policy, write, publish. False when no room can be made, or
+        when another thread is writing the same block into the same tier (two promotions of one
+        block, say): a tier accepts each block once."""
         tier = self.tiers[t]
         for _ in range(3):  # another thread may take the room between eviction and write
             with self._lock:
                 if self._bits(key) >> t & 1:
                     return True
-                if not self._make_room(t, meta.nbytes):
+                if (t, key) in self._placing or not self._make_room(t, meta.nbytes):
                     return False
-            if tier.write(key, payload, meta):
+                self._placing.add((t, key))
+            try:
+                written = tier.write(key, payload, meta)
+                if written:
+                    with self._lock:
+                        self._publish(t, key, meta)
+            finally:
                 with self._lock:
-                    self._publish(t, key, meta)
+                    self._placing.discard((t, key))
+            if written:
                 return True
         return False
 
@@ -357,6 +376,12 @@ class TieredStore:
     def _lease_keys(self, lease_id: int) -> tuple[bytes, ...]:
         return self._leases.keys_of(lease_id)
 
+    def _expire_leases(self) -> None:
+        """End leases past their TTL, then remove doomed blocks they were the last to pin."""
+        self._leases.expire()
+        if self._doomed:
+            self._bury_doomed(list(self._doomed))
+
     def _bury_doomed(self, keys) -> None:
         for key in keys:
             if key in self._doomed and not self._leases.is_pinned(key):
@@ -426,7 +451,7 @@ class TieredStore:
 
     def stats(self) -> StoreStats:
         with self._lock:
-            self._leases.expire()
+            self._expire_leases()
             c = self._counters
             tiers = tuple(
                 replace(
@@ -487,9 +512,13 @@ class TieredStore:
 
 
 def _check_hashes(block_hashes: Sequence[bytes]) -> None:
-    for block_hash in block_hashes:
-        if not isinstance(block_hash, (bytes, bytearray)) or len(block_hash) != DIGEST_BYTES:
-            raise InvalidRequest(
-                f"block hashes must be {DIGEST_BYTES}-byte digests (kvstore.keys.chain_hashes), "
-                f"got {type(block_hash).__name__} of length {len(block_hash) if hasattr(block_hash, '__len__') else '?'}"
-            )
+    """Reject anything but 16-byte ``bytes`` digests (C-speed checks: this is on the lookup path)."""
+    if not block_hashes:
+        return
+    types = set(map(type, block_hashes))
+    if types != {bytes} or set(map(len, block_hashes)) != {DIGEST_BYTES}:  # len() only once all are bytes
+        lengths = {len(h) for h in block_hashes if hasattr(h, "__len__")}
+        raise InvalidRequest(
+            f"block hashes must be {DIGEST_BYTES}-byte digests (kvstore.keys.chain_hashes); "
+            f"got types {sorted(t.__name__ for t in types)} with lengths {sorted(lengths)}"
+        )

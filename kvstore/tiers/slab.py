@@ -67,6 +67,8 @@ class SlabAllocator:
         slot = self._page_class[page]
         assert slot is not None and self._page_used[page] > 0, "free of an unallocated slot (bug)"
         size_class = self._classes[slot]
+        assert (offset - page * self.page_bytes) % slot == 0, f"free of {offset}: not a slot start (bug)"
+        assert offset not in size_class.free_slots.get(page, ()), f"double free of {offset} (bug)"
         self._page_used[page] -= 1
         self.used_bytes -= slot
         if self._page_used[page] == 0:

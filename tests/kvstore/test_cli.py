@@ -1,0 +1,60 @@
+"""The kvstore command, run as a real process: run, bench --json, fsck, and bad input."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def kvstore(*args, env=None, timeout=180):
+    environment = {**os.environ, "PYTHONPATH": REPO, **(env or {})}
+    return subprocess.run([sys.executable, "-m", "kvstore.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=environment)
+
+
+def test_run_serves_reuse_verified_and_survives_restart(tmp_path):
+    done = kvstore("run", "--data-dir", str(tmp_path), "--host-capacity", "48MiB", "--disk-capacity", "1GiB",
+                   env={"KVSTORE_HOST_CAPACITY": "1"})  # flags win over the environment
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "every reused block equals a cold computation" in out
+    assert "disk" in out.split("restart:")[1], "after restart the hit must come from the disk tier"
+    assert (tmp_path / "disk" / "segments").is_dir() and not list((tmp_path / "disk").glob("*.corrupt-*"))
+    check = kvstore("fsck", str(tmp_path / "disk"), "--json")
+    assert check.returncode == 0 and json.loads(check.stdout)["clean"] is True
+
+
+def test_bench_json_reports_every_figure_and_ratio(tmp_path):
+    done = kvstore("bench", "--json", "--blocks", "3", "--repeats", "1", "--lookup-tokens", "4096", "--dir", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    for ratio in ("host_load_vs_memcpy", "disk_read_vs_ceiling", "disk_write_vs_ceiling",
+                  "lookup_speedup_vs_sha256", "disk_bytes_per_payload_byte"):
+        assert result["ratios"][ratio] > 0 and ratio in result["targets_met"]
+    assert result["block"]["block_bytes"] == 3_076_352
+    assert 1.0 <= result["ratios"]["disk_bytes_per_payload_byte"] < 1.5
+    assert os.listdir(tmp_path) == [], "the benchmark cleans up its files"
+
+
+def test_bench_table_is_human_readable(tmp_path):
+    done = kvstore("bench", "--blocks", "2", "--repeats", "1", "--lookup-tokens", "2048", "--dir", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert "host load" in done.stdout and "O_DIRECT" in done.stdout and "ratio" in done.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (("bench", "--blocks", "0"), "must be positive"),
+    (("run", "--host-capacity", "lots"), "cannot read 'lots' as a size"),
+])
+def test_bad_flags_give_a_clear_error_and_exit_2(args, message):
+    done = kvstore(*args)
+    assert done.returncode == 2 and message in done.stderr
+
+
+def test_fsck_of_a_non_tier_exits_2(tmp_path):
+    done = kvstore("fsck", str(tmp_path))
+    assert done.returncode == 2 and "not a kvstore disk tier" in done.stderr

@@ -1,0 +1,65 @@
+"""StoreConfig: sizes, environment, validation, and the store it builds."""
+
+import pytest
+
+from kvstore.config import DiskConfig, HostConfig, StoreConfig, parse_size
+from kvstore.errors import InvalidRequest
+
+
+@pytest.mark.parametrize("text, expected", [("4GiB", 4 << 30), ("512MB", 512_000_000), ("1048576", 1 << 20),
+                                            (" 2 mib ", 2 << 20), ("1.5KiB", 1536), (77, 77)])
+def test_parse_size_reads_units(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "lots", "4 parsecs", "-1GiB"])
+def test_parse_size_rejects_garbage_with_examples(text):
+    with pytest.raises(InvalidRequest, match="examples"):
+        parse_size(text)
+
+
+def test_environment_sets_every_knob(tmp_path):
+    env = {"KVSTORE_HOST_CAPACITY": "8MiB", "KVSTORE_DISK_PATH": str(tmp_path / "d"),
+           "KVSTORE_DISK_CAPACITY": "16MiB", "KVSTORE_DURABLE": "yes", "KVSTORE_POLICY": "lru",
+           "KVSTORE_WRITE_POLICY": "on_eviction", "KVSTORE_PROMOTE_ON_HIT": "0", "KVSTORE_LEASE_TTL_S": "5",
+           "UNRELATED": "x"}
+    cfg = StoreConfig.from_env(env)
+    assert cfg.host.capacity_bytes == 8 << 20
+    assert (cfg.disk.path, cfg.disk.capacity_bytes, cfg.disk.durable) == (str(tmp_path / "d"), 16 << 20, True)
+    assert (cfg.write_policy, cfg.promote_on_hit, cfg.lease_ttl_s) == ("on_eviction", False, 5.0)
+
+
+def test_overrides_beat_environment():
+    cfg = StoreConfig.from_env({"KVSTORE_WRITE_POLICY": "on_eviction"}, write_policy="write_through")
+    assert cfg.write_policy == "write_through"
+
+
+def test_zero_capacity_disables_a_tier():
+    cfg = StoreConfig.from_env({"KVSTORE_HOST_CAPACITY": "0"})
+    assert cfg.host is None and cfg.disk is not None
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"KVSTORE_POLICY": "fifo"}, "policy must be one of"),
+    ({"KVSTORE_WRITE_POLICY": "sometimes"}, "write_policy must be one of"),
+    ({"KVSTORE_DURABLE": "maybe"}, "boolean"),
+    ({"KVSTORE_HOST_CAPACITY": "0", "KVSTORE_DISK_CAPACITY": "0"}, "at least one"),
+    ({"KVSTORE_LEASE_TTL_S": "-1"}, "lease_ttl_s"),
+])
+def test_bad_configuration_is_refused_with_a_reason(env, message):
+    with pytest.raises(InvalidRequest, match=message):
+        StoreConfig.from_env(env)
+
+
+def test_auto_sizes_are_positive_and_bounded(tmp_path):
+    assert 0 < HostConfig().resolved_capacity() <= 64 << 30
+    assert 0 < DiskConfig(path=str(tmp_path / "not" / "yet")).resolved_capacity() <= 1 << 40
+
+
+def test_open_store_builds_host_then_disk(tmp_path):
+    cfg = StoreConfig(host=HostConfig(capacity_bytes=1 << 20, page_bytes=1 << 20, shm_dir=str(tmp_path), prefault=False),
+                      disk=DiskConfig(path=str(tmp_path / "disk"), capacity_bytes=4 << 20))
+    with cfg.open_store() as store:
+        assert [t.name for t in store.tiers] == ["host", "disk"]
+        assert store.tiers[0].capacity_bytes == 1 << 20 and store.tiers[1].capacity_bytes == 4 << 20
+    assert not list(tmp_path.glob("kvstore-*")), "closing the store removes the shared-memory file"

@@ -1,0 +1,182 @@
+"""TieredStore under concurrent puts, leased lookups, loads and releases.
+
+A small host tier (8 slots) and disk tier (48 blocks, 256 KiB segments) keep evictions,
+demotions, promotions and segment deletions busy. Every loaded block is compared with the payload
+its hash determines, so a block served from the wrong slot, torn by a concurrent eviction or read
+after reuse would show up as a mismatch.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kvstore.errors import UnknownLease
+from kvstore.keys import namespace_hashes
+from tests.conftest import payloads_for
+from tests.kvstore.store_helpers import SLOTS4, put_chain, tokens
+
+THREADS = 5
+OPS_PER_THREAD = 400
+TIME_LIMIT_S = 1.2  # per run; the op count usually ends it first
+
+
+def prompts(namespace, seed: int) -> list[list[bytes]]:
+    """Overlapping chains: 3 trunks of 8 blocks, each with 4 branches diverging at random depths."""
+    rng = random.Random(seed)
+    out = []
+    for trunk in range(3):
+        base = np.arange(trunk * 10_000, trunk * 10_000 + 32)
+        out.append(namespace_hashes(namespace, base))
+        for branch in range(4):
+            toks = base.copy()
+            depth = rng.randrange(1, 8)
+            toks[depth * 4 :] += 1_000 * (branch + 1)
+            out.append(namespace_hashes(namespace, toks))
+    return out
+
+
+@pytest.mark.parametrize("write_policy", ["write_through", "on_eviction"])
+def test_randomized_concurrent_traffic_keeps_bytes_and_books_right(make_store, namespace, spec, write_policy):
+    store = make_store(host_bytes=128 << 10, page_bytes=16 << 10, disk_bytes=48 * (16 << 10),
+                       segment_bytes=256 << 10, write_policy=write_policy, lease_ttl_s=30)
+    ns_id = store.register_namespace(namespace)
+    chains = prompts(namespace, seed=7)
+    expected = {h: p for c in chains for h, p in zip(c, payloads_for(spec, c))}
+    errors: list[BaseException] = []
+    checked = [0] * THREADS
+    start = threading.Barrier(THREADS)
+    deadline = time.monotonic() + TIME_LIMIT_S
+
+    def verify(hashes, dsts, result, me):
+        assert result.loaded_blocks <= len(hashes)
+        for block_hash, dst in zip(hashes[: result.loaded_blocks], dsts):
+            assert np.array_equal(dst, expected[block_hash]), "a load returned wrong bytes"
+            checked[me] += 1
+
+    def worker(me: int) -> None:
+        rng = random.Random(1000 + me)
+        leases: list[tuple[int, list[bytes], int]] = []  # (lease id, hashes, hit blocks)
+        try:
+            start.wait()
+            for _ in range(OPS_PER_THREAD):
+                if time.monotonic() > deadline:
+                    break
+                chain = rng.choice(chains)
+                op = rng.random()
+                if op < 0.35:  # put a run of the chain, sometimes continuing from a parent
+                    first = rng.randrange(0, 4)
+                    last = rng.randrange(first + 1, len(chain) + 1)
+                    hashes = chain[first:last]
+                    parent = chain[first - 1] if first else None
+                    result = store.put(ns_id, hashes, [expected[h] for h in hashes], parent=parent)
+                    assert result.stored + result.duplicates + result.rejected == len(hashes)
+                elif op < 0.55:  # leased lookup, kept for a later load or release
+                    hit = store.lookup(ns_id, chain, lease_ttl_s=30)
+                    if hit.lease_id is not None:
+                        leases.append((hit.lease_id, chain, hit.hit_blocks))
+                elif op < 0.75 and leases:  # load under a lease: every leased block must load
+                    lease_id, hashes, hits = leases.pop(rng.randrange(len(leases)))
+                    dsts = [np.empty(spec.block_bytes, np.uint8) for _ in hashes[:hits]]
+                    result = store.load(ns_id, hashes[:hits], dsts, lease_id=lease_id)
+                    assert result.complete, f"a leased hit of {hits} loaded only {result.loaded_blocks}"
+                    verify(hashes, dsts, result, me)
+                elif op < 0.85:  # unleased load: may come up short, never wrong
+                    dsts = [np.empty(spec.block_bytes, np.uint8) for _ in chain]
+                    verify(chain, dsts, store.load(ns_id, chain, dsts), me)
+                elif op < 0.92:  # one layer of one block
+                    block_hash = rng.choice(chain)
+                    layer = rng.randrange(spec.num_layers)
+                    dst = np.empty(spec.layer_bytes, np.uint8)
+                    if store.load_layer(ns_id, block_hash, layer, dst) is not None:
+                        offset, length = spec.layer_range(layer)
+                        assert np.array_equal(dst, expected[block_hash][offset : offset + length])
+                        checked[me] += 1
+                elif leases:
+                    store.release(leases.pop(rng.randrange(len(leases)))[0])
+            for lease_id, _, _ in leases:
+                store.release(lease_id)
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,), name=f"stress-{i}") for i in range(THREADS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a worker hung"
+    if errors:
+        raise errors[0]
+
+    store.flush()
+    store.check_integrity()
+    stats = store.stats()
+    assert stats.leases_active == 0
+    with pytest.raises(UnknownLease):
+        store.release(1)  # every lease was ended
+    assert sum(checked) > 100, "too little traffic to mean anything"
+    assert stats.tier("host").evictions > 0 and stats.tier("disk").evictions > 0
+    assert stats.tier("disk").checksum_failures == 0 and stats.tier("disk").io_errors == 0
+
+    # what survived is still byte-exact from whichever tier serves it
+    for chain in chains:
+        hit = store.lookup(ns_id, chain, lease_ttl_s=30)
+        dsts = [np.empty(spec.block_bytes, np.uint8) for _ in chain]
+        result = store.load(ns_id, chain, dsts, lease_id=hit.lease_id)
+        assert result.loaded_blocks >= hit.hit_blocks
+        for block_hash, dst in zip(chain[: result.loaded_blocks], dsts):
+            assert np.array_equal(dst, expected[block_hash])
+    store.flush()
+    store.check_integrity()
+
+
+def test_two_loads_promoting_the_same_block_at_once(make_store, namespace, spec):
+    """Both loads read the disk copy before either promotes it; the host takes it once."""
+    store = make_store(**SLOTS4, background_writes=False)
+    ns_id = store.register_namespace(namespace)
+    a = namespace_hashes(namespace, tokens(0, 4))
+    payloads, _ = put_chain(store, ns_id, spec, a)
+    put_chain(store, ns_id, spec, namespace_hashes(namespace, tokens(100, 1)))  # a3: disk only
+    assert store.lookup(ns_id, a).tiers[3] == "disk"
+
+    disk, host = store.tiers[1], store.tiers[0]
+    both_read = threading.Barrier(2, timeout=10)
+    real_read, real_write = disk.read, host.write
+
+    def read_then_wait(*args, **kw):
+        ok = real_read(*args, **kw)
+        both_read.wait()
+        return ok
+
+    def slow_write(*args, **kw):
+        time.sleep(0.05)  # widen the window between making room and publishing
+        return real_write(*args, **kw)
+
+    disk.read, host.write = read_then_wait, slow_write
+    results, errors = [], []
+
+    def load():
+        try:
+            dst = np.zeros(spec.block_bytes, np.uint8)
+            results.append((store.load(ns_id, a[3:], [dst]), dst))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=load) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    disk.read, host.write = real_read, real_write
+    if errors:
+        raise errors[0]
+    for result, dst in results:
+        assert result.tiers == ("disk",)
+        np.testing.assert_array_equal(dst, payloads[3])
+    assert store.lookup(ns_id, a).tiers[3] == "host"
+    assert store.stats().tier("host").promotions_in == 1
+    store.check_integrity()

@@ -1,0 +1,214 @@
+"""TieredStore under caller mistakes, backpressure and corrupt disk records.
+
+Caller mistakes raise typed errors and store nothing; backpressure is a count in the result; a
+corrupt record is a miss (a shorter hit), never wrong bytes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from kvstore.errors import InvalidRequest, UnknownLease, UnknownNamespace
+from kvstore.keys import namespace_hashes
+from kvstore.tiers.segment import HEADER_BYTES
+from tests.conftest import payloads_for, tiny_namespace
+
+SLOTS4 = dict(host_bytes=64 << 10, page_bytes=16 << 10)
+
+
+@pytest.fixture
+def store(make_store):
+    return make_store(background_writes=False)
+
+
+@pytest.fixture
+def ns_id(store, namespace):
+    return store.register_namespace(namespace)
+
+
+def assert_empty(store, ns_id, hashes):
+    assert store.lookup(ns_id, hashes).hit_blocks == 0
+    stats = store.stats()
+    assert stats.stored_blocks == 0
+    assert all(t.blocks == 0 for t in stats.tiers)
+
+
+# ---- bad input -----------------------------------------------------------------------------
+
+
+def test_a_wrong_payload_size_rejects_the_whole_batch(store, ns_id, spec, chain):
+    payloads = payloads_for(spec, chain[:3])
+    payloads[2] = payloads[2][:-1]
+    with pytest.raises(InvalidRequest, match=str(spec.block_bytes)):
+        store.put(ns_id, chain[:3], payloads)
+    assert_empty(store, ns_id, chain[:3])
+    store.check_integrity()
+
+
+@pytest.mark.parametrize("bad", [b"\x00" * 15, b"\x00" * 17, b"", "0" * 16, 12345, None])
+def test_malformed_hashes_are_invalid_requests(store, ns_id, spec, chain, bad):
+    hashes = [chain[0], bad]
+    with pytest.raises(InvalidRequest):
+        store.lookup(ns_id, hashes)
+    with pytest.raises(InvalidRequest):
+        store.put(ns_id, hashes, payloads_for(spec, chain[:2]))
+    with pytest.raises(InvalidRequest):
+        store.load(ns_id, hashes, [np.zeros(spec.block_bytes, np.uint8) for _ in hashes])
+    with pytest.raises(InvalidRequest):
+        store.load_layer(ns_id, bad, 0, np.zeros(spec.layer_bytes, np.uint8))
+    with pytest.raises(InvalidRequest):
+        store.put(ns_id, chain[1:2], payloads_for(spec, chain[1:2]), parent=bad if bad else b"x")
+    assert_empty(store, ns_id, chain)
+    assert store.stats().lookups == 1  # only assert_empty's own, valid lookup counted
+
+
+def test_mismatched_counts_are_invalid_requests(store, ns_id, spec, chain):
+    with pytest.raises(InvalidRequest, match="2 block hashes but 1"):
+        store.put(ns_id, chain[:2], payloads_for(spec, chain[:1]))
+    assert_empty(store, ns_id, chain)
+    store.put(ns_id, chain[:2], payloads_for(spec, chain[:2]))
+    with pytest.raises(InvalidRequest, match="2 block hashes but 3"):
+        store.load(ns_id, chain[:2], [np.zeros(spec.block_bytes, np.uint8) for _ in range(3)])
+
+
+def test_unknown_namespace(store, spec, chain):
+    unknown = tiny_namespace(model="never-registered").id
+    dst = np.zeros(spec.block_bytes, np.uint8)
+    for call in (
+        lambda: store.lookup(unknown, chain),
+        lambda: store.put(unknown, chain[:1], [dst]),
+        lambda: store.load(unknown, chain[:1], [dst]),
+        lambda: store.load_layer(unknown, chain[0], 0, dst[: spec.layer_bytes]),
+        lambda: store.delete_namespace(unknown),
+    ):
+        with pytest.raises(UnknownNamespace, match="register_namespace"):
+            call()
+
+
+def test_read_only_and_wrong_size_destinations(store, ns_id, spec, chain):
+    payloads = payloads_for(spec, chain[:2])
+    store.put(ns_id, chain[:2], payloads)
+    frozen = np.zeros(spec.block_bytes, np.uint8)
+    frozen.flags.writeable = False
+    for dst in (frozen, bytes(spec.block_bytes)):
+        with pytest.raises(InvalidRequest, match="read-only"):
+            store.load(ns_id, chain[:1], [dst])
+    assert not frozen.any()
+    with pytest.raises(InvalidRequest):
+        store.load(ns_id, chain[:1], [np.zeros(spec.block_bytes + 1, np.uint8)])
+    with pytest.raises(InvalidRequest):
+        store.load_layer(ns_id, chain[0], 0, np.zeros(spec.block_bytes, np.uint8))  # a block, not a layer
+    with pytest.raises(InvalidRequest, match="out of range"):
+        store.load_layer(ns_id, chain[0], spec.num_layers, np.zeros(spec.layer_bytes, np.uint8))
+    with pytest.raises(InvalidRequest, match="contiguous"):
+        store.load(ns_id, chain[:1], [np.zeros((spec.block_bytes, 2), np.uint8)[:, 0]])
+    assert store.stats().tier("host").loaded_blocks == 0
+
+
+def test_a_failed_load_still_ends_its_lease(store, ns_id, spec, chain):
+    store.put(ns_id, chain[:2], payloads_for(spec, chain[:2]))
+    hit = store.lookup(ns_id, chain[:2], lease_ttl_s=60)
+    with pytest.raises(InvalidRequest):
+        store.load(ns_id, chain[:2], [np.zeros(1, np.uint8)] * 2, lease_id=hit.lease_id)
+    assert store.stats().leases_active == 0
+    with pytest.raises(UnknownLease):
+        store.release(hit.lease_id)
+
+
+def test_duplicate_put_keeps_the_first_bytes(store, ns_id, spec, chain):
+    payloads = payloads_for(spec, chain[:3])
+    assert store.put(ns_id, chain[:2], payloads[:2]).stored == 2
+    different = [np.full(spec.block_bytes, 7, np.uint8) for _ in range(3)]
+    result = store.put(ns_id, chain[:3], different)
+    assert (result.stored, result.duplicates, result.rejected) == (1, 2, 0)
+    stats = store.stats()
+    assert (stats.puts, stats.stored_blocks, stats.duplicate_blocks) == (2, 3, 2)
+    dsts = [np.zeros(spec.block_bytes, np.uint8) for _ in range(3)]
+    assert store.load(ns_id, chain[:3], dsts).complete
+    np.testing.assert_array_equal(dsts[0], payloads[0])
+    np.testing.assert_array_equal(dsts[1], payloads[1])
+    np.testing.assert_array_equal(dsts[2], different[2])
+
+
+def test_put_with_everything_pinned_is_rejected_not_raised(make_store, namespace, spec, chain):
+    store = make_store(**SLOTS4, disk_bytes=None)
+    ns_id = store.register_namespace(namespace)
+    payloads = payloads_for(spec, chain[:4])
+    assert store.put(ns_id, chain[:4], payloads).stored == 4
+    hit = store.lookup(ns_id, chain[:4], lease_ttl_s=60)
+    other = namespace_hashes(namespace, np.arange(500, 512))
+    result = store.put(ns_id, other, payloads_for(spec, other))
+    assert (result.stored, result.duplicates, result.rejected) == (0, 0, 3)
+    assert store.stats().rejected_blocks == 3
+    assert store.lookup(ns_id, other).hit_blocks == 0
+    store.release(hit.lease_id)
+    assert store.put(ns_id, other, payloads_for(spec, other)).stored == 3  # room again
+    store.check_integrity()
+
+
+def test_a_block_larger_than_a_host_page_is_refused_at_register(make_store):
+    store = make_store(**SLOTS4)
+    big = tiny_namespace(num_layers=4)  # 36,864-byte blocks, 16 KiB host pages
+    with pytest.raises(InvalidRequest, match="page size"):
+        store.register_namespace(big)
+    with pytest.raises(UnknownNamespace):
+        store.spec(big.id)
+    assert store.stats().namespaces == 0
+
+
+# ---- corruption ----------------------------------------------------------------------------
+
+
+def _flip_disk_byte(disk, key: bytes, payload_offset: int) -> None:
+    entry = disk._index[key]
+    path = disk._segments[entry.segment].path
+    with open(path, "r+b") as f:
+        f.seek(entry.offset + HEADER_BYTES + payload_offset)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize("host", [False, True])
+def test_a_corrupt_disk_record_is_a_miss_never_wrong_bytes(make_store, namespace, spec, chain, host):
+    kw = dict(**SLOTS4, write_policy="on_eviction", promote_on_hit=False) if host else dict(host_bytes=None)
+    store = make_store(background_writes=False, **kw)
+    ns_id = store.register_namespace(namespace)
+    blocks = 8 if host else 5
+    payloads = payloads_for(spec, chain[:blocks])
+    store.put(ns_id, chain[:blocks], payloads)
+    store.flush()
+    assert store.lookup(ns_id, chain[:5]).tiers[:4] == ("disk",) * 4  # with a host: 4 demoted tails
+    disk = store.tiers[-1]
+    _flip_disk_byte(disk, ns_id + chain[2], spec.layer_bytes + 100)  # layer 1 of block 2
+
+    dsts = [np.zeros(spec.block_bytes, np.uint8) for _ in range(5)]
+    result = store.load(ns_id, chain[:5], dsts)
+    assert result.tiers == ("disk", "disk") and result.nbytes == 2 * spec.block_bytes
+    np.testing.assert_array_equal(dsts[0], payloads[0])
+    np.testing.assert_array_equal(dsts[1], payloads[1])
+    assert not dsts[3].any() and not dsts[4].any()  # past the failed block nothing is touched
+    assert store.lookup(ns_id, chain[:5]).hit_blocks == 2
+    assert not disk.contains(ns_id + chain[2])
+    stats = store.stats()
+    assert stats.tier("disk").checksum_failures == 1
+    store.check_integrity()
+
+
+def test_a_corrupt_layer_fails_load_layer_but_the_other_layer_verifies(make_store, namespace, spec, chain):
+    store = make_store(host_bytes=None, background_writes=False)
+    ns_id = store.register_namespace(namespace)
+    payloads = payloads_for(spec, chain[:1])
+    store.put(ns_id, chain[:1], payloads)
+    disk = store.tiers[0]
+    _flip_disk_byte(disk, ns_id + chain[0], spec.layer_bytes + 5)  # layer 1
+    layer0 = np.zeros(spec.layer_bytes, np.uint8)
+    assert store.load_layer(ns_id, chain[0], 0, layer0) == "disk"
+    np.testing.assert_array_equal(layer0, payloads[0][: spec.layer_bytes])
+    assert store.load_layer(ns_id, chain[0], 1, np.zeros(spec.layer_bytes, np.uint8)) is None
+    assert store.lookup(ns_id, chain[:1]).hit_blocks == 0
+    assert store.stats().tier("disk").checksum_failures == 1
+    store.check_integrity()

@@ -1,0 +1,212 @@
+"""TieredStore leases and namespaces: what protects a hit from eviction, and what keeps tenants,
+models and formats apart (including deleting a namespace while one of its blocks is leased).
+
+``SLOTS4`` gives the host tier exactly 4 one-block slots for the tiny 9,216-byte block.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvstore.errors import UnknownLease
+from kvstore.keys import namespace_hashes
+from kvstore.layout import BlockSpec
+from tests.conftest import payloads_for, tiny_namespace
+from tests.kvstore.store_helpers import SLOTS4, host_resident, load_all, put_chain, tokens
+
+
+# ---- leases -------------------------------------------------------------------------------
+
+
+def test_a_lease_pins_the_hit_until_load_ends_it(make_store, namespace, spec):
+    store = make_store(**SLOTS4, background_writes=False)
+    ns_id = store.register_namespace(namespace)
+    a = namespace_hashes(namespace, tokens(0, 2))
+    payloads, _ = put_chain(store, ns_id, spec, a)
+    hit = store.lookup(ns_id, a, lease_ttl_s=60)
+    assert hit.lease_id is not None and hit.tiers == ("host", "host")
+    assert store.stats().leases_active == 1
+
+    put_chain(store, ns_id, spec, namespace_hashes(namespace, tokens(100, 6)))
+    assert host_resident(store, ns_id, a) == [True, True]
+
+    result, dsts = load_all(store, ns_id, spec, a, lease_id=hit.lease_id)
+    assert result.tiers == ("host", "host")
+    np.testing.assert_array_equal(dsts[1], payloads[1])
+    assert store.stats().leases_active == 0
+    with pytest.raises(UnknownLease):
+        store.release(hit.lease_id)
+
+    put_chain(store, ns_id, spec, namespace_hashes(namespace, tokens(200, 4)))
+    assert host_resident(store, ns_id, a) == [False, False]  # unpinned: evictable again
+    store.check_integrity()
+
+
+def test_release_ends_a_lease_once(make_store, namespace, spec, chain):
+    store = make_store(background_writes=False)
+    ns_id = store.register_namespace(namespace)
+    put_chain(store, ns_id, spec, chain[:2])
+    hit = store.lookup(ns_id, chain, lease_ttl_s=60)
+    assert hit.hit_blocks == 2
+    store.release(hit.lease_id)
+    assert store.stats().leases_active == 0
+    with pytest.raises(UnknownLease):
+        store.release(hit.lease_id)
+    with pytest.raises(UnknownLease):
+        store.release(123456)
+    # no hit, no lease, and not a refusal either
+    miss = store.lookup(ns_id, chain[5:], lease_ttl_s=60)
+    assert miss.hit_blocks == 0 and miss.lease_id is None and not miss.lease_refused
+
+
+def test_lease_expiry_by_ttl_frees_the_pins(make_store, namespace, spec):
+    now = [1000.0]
+    store = make_store(**SLOTS4, background_writes=False, clock=lambda: now[0])
+    ns_id = store.register_namespace(namespace)
+    a = namespace_hashes(namespace, tokens(0, 2))
+    put_chain(store, ns_id, spec, a)
+    hit = store.lookup(ns_id, a, lease_ttl_s=5)
+    now[0] += 4.9
+    stats = store.stats()
+    assert stats.leases_active == 1 and stats.lease_expiries == 0
+    now[0] += 0.2
+    stats = store.stats()
+    assert stats.leases_active == 0 and stats.lease_expiries == 1
+    with pytest.raises(UnknownLease):
+        store.release(hit.lease_id)
+    put_chain(store, ns_id, spec, namespace_hashes(namespace, tokens(100, 4)))
+    assert host_resident(store, ns_id, a) == [False, False]
+    # a load that names the expired lease is still served (the lease was only protection)
+    assert load_all(store, ns_id, spec, a, lease_id=hit.lease_id)[0].tiers == ("disk", "disk")
+    store.check_integrity()
+
+
+def test_max_leases_refuses_further_leases(make_store, namespace, spec, chain):
+    store = make_store(background_writes=False, max_leases=2)
+    ns_id = store.register_namespace(namespace)
+    put_chain(store, ns_id, spec, chain[:3])
+    first = store.lookup(ns_id, chain, lease_ttl_s=60)
+    second = store.lookup(ns_id, chain[:1], lease_ttl_s=60)
+    third = store.lookup(ns_id, chain, lease_ttl_s=60)
+    assert first.lease_id is not None and second.lease_id is not None and first.lease_id != second.lease_id
+    assert third.lease_id is None and third.lease_refused and third.hit_blocks == 3
+    store.release(first.lease_id)
+    fourth = store.lookup(ns_id, chain, lease_ttl_s=60)
+    assert fourth.lease_id is not None and not fourth.lease_refused
+
+
+# ---- namespaces ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("change", [
+    dict(model="other-mla"),
+    dict(components=("mla_fp8_ds",)),
+    dict(cache_salt="tenant-b"),
+])
+def test_namespaces_never_see_each_others_blocks(make_store, namespace, spec, change):
+    store = make_store(background_writes=False)
+    other = tiny_namespace(**change)
+    a_id, b_id = store.register_namespace(namespace), store.register_namespace(other)
+    assert a_id != b_id
+    same_tokens = tokens(0, 3)
+    a_hashes = namespace_hashes(namespace, same_tokens)
+    b_hashes = namespace_hashes(other, same_tokens)
+    assert not set(a_hashes) & set(b_hashes)
+    put_chain(store, a_id, spec, a_hashes)
+    assert store.lookup(b_id, b_hashes).hit_blocks == 0
+    # even with A's very hash bytes, B's directory is separate
+    assert store.lookup(b_id, a_hashes).hit_blocks == 0
+    b_spec = BlockSpec.of(other)
+    b_payloads = payloads_for(b_spec, a_hashes)
+    assert store.put(b_id, a_hashes, b_payloads).stored == 3  # not a duplicate of A's blocks
+    result, dsts = load_all(store, b_id, b_spec, a_hashes)
+    assert result.complete
+    for dst, payload in zip(dsts, b_payloads):
+        np.testing.assert_array_equal(dst, payload)
+    assert load_all(store, a_id, spec, a_hashes)[0].complete
+    store.flush()
+    store.check_integrity()
+
+
+def test_delete_namespace_removes_its_blocks_from_every_tier(make_store, namespace, spec, chain):
+    store = make_store(**SLOTS4, background_writes=False)
+    other = tiny_namespace(cache_salt="keep-me")
+    ns_id, keep_id = store.register_namespace(namespace), store.register_namespace(other)
+    put_chain(store, ns_id, spec, chain[:6])
+    keep = namespace_hashes(other, tokens(0, 1))
+    keep_payloads, _ = put_chain(store, keep_id, spec, keep)
+    store.flush()
+    assert store.stats().tier("disk").blocks == 7
+
+    assert store.delete_namespace(ns_id) == 6
+    store.flush()
+    stats = store.stats()
+    assert stats.tier("host").blocks == 1 and stats.tier("disk").blocks == 1
+    assert store.lookup(ns_id, chain).hit_blocks == 0
+    assert not any(store.tiers[1].contains(ns_id + h) for h in chain)
+    result, dsts = load_all(store, keep_id, spec, keep)
+    assert result.complete
+    np.testing.assert_array_equal(dsts[0], keep_payloads[0])
+    store.check_integrity()
+
+
+def test_delete_namespace_under_a_lease_defers_until_release(make_store, namespace, spec, chain):
+    store = make_store(background_writes=False)
+    ns_id = store.register_namespace(namespace)
+    payloads, _ = put_chain(store, ns_id, spec, chain[:4])
+    hit = store.lookup(ns_id, chain[:2], lease_ttl_s=60)
+    assert store.delete_namespace(ns_id) == 4
+    # the unleased blocks are gone at once; the leased ones still hold their bytes
+    assert [store.tiers[0].contains(ns_id + h) for h in chain[:4]] == [True, True, False, False]
+    assert [store.tiers[1].contains(ns_id + h) for h in chain[:4]] == [True, True, False, False]
+    result, dsts = load_all(store, ns_id, spec, chain[:2], lease_id=hit.lease_id)
+    assert result.complete
+    np.testing.assert_array_equal(dsts[1], payloads[1])
+    # the load ended the lease, and with it the deferred removal ran
+    stats = store.stats()
+    assert stats.tier("host").blocks == 0 and stats.tier("disk").blocks == 0
+    assert store.lookup(ns_id, chain).hit_blocks == 0
+    store.check_integrity()
+
+
+def test_delete_namespace_under_a_lease_completes_when_the_lease_expires(make_store, namespace, spec, chain):
+    now = [0.0]
+    store = make_store(background_writes=False, clock=lambda: now[0])
+    ns_id = store.register_namespace(namespace)
+    put_chain(store, ns_id, spec, chain[:3])
+    store.lookup(ns_id, chain[:3], lease_ttl_s=5)
+    store.delete_namespace(ns_id)
+    assert store.stats().tier("host").blocks == 3
+    now[0] = 10.0
+    stats = store.stats()
+    assert stats.lease_expiries == 1
+    assert stats.tier("host").blocks == 0 and stats.tier("disk").blocks == 0
+    assert store.lookup(ns_id, chain).hit_blocks == 0
+    store.check_integrity()
+
+
+def test_a_deleted_but_still_leased_block_is_no_longer_a_hit(make_store, namespace, spec, chain):
+    store = make_store(background_writes=False)
+    ns_id = store.register_namespace(namespace)
+    put_chain(store, ns_id, spec, chain[:3])
+    hit = store.lookup(ns_id, chain[:3], lease_ttl_s=60)
+    store.delete_namespace(ns_id)
+    assert store.tiers[0].contains(ns_id + chain[0]), "the leased bytes stay for the lease holder"
+    again = store.lookup(ns_id, chain[:3], lease_ttl_s=60)
+    assert again.hit_blocks == 0 and again.lease_id is None, "nobody new may find or re-lease it"
+    store.release(hit.lease_id)
+    assert store.stats().tier("host").blocks == 0
+    store.check_integrity()
+
+
+def test_a_lease_past_its_ttl_cannot_be_released_even_before_a_sweep(make_store, namespace, spec, chain):
+    now = [0.0]
+    store = make_store(background_writes=False, clock=lambda: now[0])
+    ns_id = store.register_namespace(namespace)
+    put_chain(store, ns_id, spec, chain[:2])
+    hit = store.lookup(ns_id, chain[:2], lease_ttl_s=5)
+    now[0] = 6.0  # nothing has swept the lease table since it expired
+    with pytest.raises(UnknownLease, match="expired"):
+        store.release(hit.lease_id)
+    assert store.stats().lease_expiries == 1
