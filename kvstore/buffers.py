@@ -7,8 +7,9 @@ pinned host memory themselves (the engine's connector does).
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
-import torch
 
 from kvstore.errors import InvalidRequest
 
@@ -19,7 +20,8 @@ def byte_view(buf, writable: bool = False) -> np.ndarray:
     Accepts numpy arrays, CPU torch tensors, and objects with the buffer protocol. The buffer must
     be C-contiguous; with ``writable`` it must also be writable.
     """
-    if isinstance(buf, torch.Tensor):
+    torch = sys.modules.get("torch")  # if torch was never imported, buf cannot be a tensor
+    if torch is not None and isinstance(buf, torch.Tensor):
         if buf.device.type != "cpu":
             raise InvalidRequest(f"buffer must live in host memory, got a tensor on {buf.device}")
         if not buf.is_contiguous():

@@ -159,7 +159,7 @@ class DiskTier(Tier):
         self._reclaim_uncovered()
 
     def _load_index(self, on_disk: list[int]) -> None:
-        present = set(on_disk)
+        sizes = {i: os.path.getsize(os.path.join(self._segments_dir, _segment_name(i))) for i in on_disk}
         tail = self._db.get(_TAIL)
         tail_segment, tail_offset = _TAIL_VALUE.unpack(tail) if tail else (0, 0)
         lost = WriteBatch(raw_mode=True)
@@ -168,14 +168,15 @@ class DiskTier(Tier):
                 break
             entry = _Entry.decode(raw_value)
             beyond_tail = (entry.segment, entry.offset) >= (tail_segment, tail_offset)
-            if entry.segment not in present or beyond_tail:
+            beyond_eof = entry.offset + footprint(entry.nbytes) > sizes.get(entry.segment, -1)
+            if beyond_tail or beyond_eof:  # segment missing or cut short
                 lost.delete(raw_key)
                 self._counters["recovered_lost_blocks"] += 1
                 continue
             self._index[raw_key[1:]] = entry
             self._seq = max(self._seq, entry.seq + 1)
         if self._counters["recovered_lost_blocks"]:
-            log.warning("disk tier %s: %d index entries pointed at missing segments; dropped",
+            log.warning("disk tier %s: %d index entries pointed at missing or truncated segments; dropped",
                         self.path, self._counters["recovered_lost_blocks"])
             self._db.write(lost)
         for segment_id in on_disk:
@@ -191,6 +192,8 @@ class DiskTier(Tier):
             if size > tail_offset:  # a record was being written when the process died
                 os.ftruncate(self._active.fd, tail_offset)
                 self._counters["recovered_truncated_bytes"] += size - tail_offset
+            elif size < tail_offset:  # cut short behind our back: keep appends after every committed record
+                os.ftruncate(self._active.fd, tail_offset)
             self._tail = tail_offset
 
     def _rebuild_index(self, on_disk: list[int]) -> None:
@@ -236,7 +239,7 @@ class DiskTier(Tier):
 
     @property
     def used_bytes(self) -> int:
-        return sum(s.live_bytes + s.dead_bytes for s in self._segments.values())
+        return sum(s.live_bytes + s.dead_bytes for s in list(self._segments.values()))
 
     def footprint(self, nbytes: int) -> int:
         return footprint(nbytes)
@@ -270,7 +273,8 @@ class DiskTier(Tier):
             assert key not in self._index, "duplicate disk write (store bug)"
             if self.used_bytes + size > self.capacity_bytes:
                 return False
-            if self._active is None or (self._tail and self._tail + size > self.segment_bytes):
+            if (self._active is None or (self._tail and self._tail + size > self.segment_bytes)
+                    or os.fstat(self._active.fd).st_nlink == 0):  # deleted behind our back
                 self._roll_segment()
             segment, offset = self._active, self._tail
             entry = _Entry(segment.id, offset, meta.nbytes, meta.num_layers, self._seq, meta.parent)
@@ -281,7 +285,7 @@ class DiskTier(Tier):
                 batch.put(_BLOCK + key, entry.encode())
                 batch.put(_TAIL, _TAIL_VALUE.pack(segment.id, offset + size))
                 self._db.write(batch, write_opt=self._write_opt)
-            except OSError as exc:
+            except Exception as exc:  # OSError from the segment, rocksdict raises plain Exception
                 self._counters["io_errors"] += 1
                 log.error("disk tier %s: write failed (%s); block not stored", self.path, exc)
                 _truncate_quietly(segment.fd, offset)
@@ -311,6 +315,8 @@ class DiskTier(Tier):
     def _roll_segment(self) -> None:
         next_id = max(self._segments, default=0) + 1
         segment = _Segment(next_id, os.path.join(self._segments_dir, _segment_name(next_id)))
+        if self.durable:  # the new file's directory entry must survive a power loss too
+            _fsync_directory(self._segments_dir)
         self._segments[next_id] = segment
         old, self._active, self._tail = self._active, segment, 0
         if old is not None and old.live_bytes == 0:
@@ -327,7 +333,7 @@ class DiskTier(Tier):
         assert dst.nbytes == count * layer_bytes, "destination size checked by the store (bug)"
         header_page = np.empty(HEADER_BYTES, np.uint8)
         try:
-            if segment is None:
+            if segment is None or os.fstat(segment.fd).st_nlink == 0:
                 raise FileNotFoundError(f"segment {entry.segment} is gone")
             if first_layer == 0 and count == entry.num_layers:
                 complete = os.preadv(segment.fd, [header_page, dst], entry.offset) == HEADER_BYTES + dst.nbytes
@@ -358,6 +364,7 @@ class DiskTier(Tier):
 
     def remove(self, key: bytes) -> bool:
         with self._lock:
+            self._check_open()
             entry = self._index.pop(key, None)
             if entry is None:
                 return False
@@ -444,6 +451,14 @@ class DiskTier(Tier):
     def _check_open(self) -> None:
         if self._closed:
             raise StoreClosed(f"disk tier at {self.path} is closed")
+
+
+def _fsync_directory(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _truncate_quietly(fd: int, length: int) -> None:
