@@ -23,6 +23,7 @@ This module knows nothing about tiers, layouts' byte contents or where blocks li
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
@@ -104,8 +105,8 @@ def encode_extra_keys(items: Sequence[bytes | str]) -> bytes:
     return bytes(out)
 
 
-def _packed_tokens(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
-    """Tokens as a little-endian uint32 array; rejects ids outside [0, 2**32)."""
+def _checked_tokens(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Tokens as a 1-D integer array (no copy when already one); rejects ids outside [0, 2**32)."""
     arr = np.asarray(tokens)
     if arr.ndim != 1:
         raise InvalidRequest(f"tokens must be one-dimensional, got shape {arr.shape}")
@@ -113,7 +114,7 @@ def _packed_tokens(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
         raise InvalidRequest(f"tokens must be integers, got dtype {arr.dtype}")
     if arr.size and (int(arr.min()) < 0 or int(arr.max()) > MAX_TOKEN_ID):
         raise InvalidRequest(f"token ids must lie in [0, {MAX_TOKEN_ID}]")
-    return np.ascontiguousarray(arr, dtype="<u4")
+    return arr
 
 
 def chain_hashes(
@@ -136,26 +137,54 @@ def chain_hashes(
         raise InvalidRequest(f"parent must be a {DIGEST_BYTES}-byte block hash, got {len(parent)} bytes")
     if block_size <= 0:
         raise InvalidRequest(f"block_size must be positive, got {block_size}")
-    packed = _packed_tokens(tokens)
-    n = len(packed) // block_size
+    token_ids = _checked_tokens(tokens)
+    n = len(token_ids) // block_size
     if n == 0:
-        return []  # no full block (memoryview cannot cast an empty 2-D array)
+        return []
     width = DIGEST_BYTES + 4 * block_size
-    # rows: [n, 16 + 4*block_size] bytes = [previous digest | this block's tokens]
-    rows = np.empty((n, width), np.uint8)
-    rows[:, DIGEST_BYTES:] = packed[: n * block_size].view(np.uint8).reshape(n, 4 * block_size)
-    view = memoryview(rows).cast("B")
-    digest = xxhash.xxh3_128_digest
+    # rows: [n, 16 + 4*block_size] bytes = [previous digest | this block's tokens as <u4]. They live
+    # in a per-thread scratch buffer with cached per-row views: allocating half a megabyte and
+    # 2n view objects per call cost more (page faults, allocator) than the hashing itself.
+    buf, rows = _scratch_rows(n, width)
+    rows_u32 = np.frombuffer(buf, "<u4", count=n * width // 4).reshape(n, width // 4)
+    rows_u32[:, DIGEST_BYTES // 4 :] = token_ids[: n * block_size].reshape(n, block_size)  # casts to <u4
     prev = parent if parent is not None else seed
+    if extra_keys:
+        return _chain_with_extras(rows[:n], prev, extra_keys)
+    digest = xxhash.xxh3_128_digest
     out: list[bytes] = []
-    for i in range(n):
-        start = i * width
-        view[start : start + DIGEST_BYTES] = prev
-        row = view[start : start + width]
-        if extra_keys and i in extra_keys:
-            prev = digest(bytes(row) + encode_extra_keys(extra_keys[i]))
-        else:
-            prev = digest(row)
+    append = out.append
+    for row in rows[:n]:  # the hot loop of every lookup: three C calls per block, no allocation
+        row[:DIGEST_BYTES] = prev
+        prev = digest(row)
+        append(prev)
+    return out
+
+
+_local = threading.local()
+_MAX_CACHED_ROWS = 16384  # 1M tokens of 64-token blocks: about 8 MiB of scratch per thread
+
+
+def _scratch_rows(n: int, width: int) -> tuple[bytearray, list[memoryview]]:
+    """This thread's scratch buffer of at least ``n`` rows of ``width`` bytes, and a view per row."""
+    cached = getattr(_local, "rows", None)
+    if cached is not None and cached[0] == width and len(cached[2]) >= n:
+        return cached[1], cached[2]
+    capacity = max(n, 2048)
+    buf = bytearray(capacity * width)
+    view = memoryview(buf)
+    rows = [view[i * width : (i + 1) * width] for i in range(capacity)]
+    if capacity <= _MAX_CACHED_ROWS:  # longer prompts get a one-off buffer, not a permanent one
+        _local.rows = (width, buf, rows)
+    return buf, rows
+
+
+def _chain_with_extras(rows: list[memoryview], prev: bytes, extra_keys: dict[int, Sequence[bytes | str]]) -> list[bytes]:
+    out: list[bytes] = []
+    for i, row in enumerate(rows):
+        row[:DIGEST_BYTES] = prev
+        data = bytes(row) + encode_extra_keys(extra_keys[i]) if i in extra_keys else row
+        prev = xxhash.xxh3_128_digest(data)
         out.append(prev)
     return out
 

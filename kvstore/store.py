@@ -37,7 +37,8 @@ from kvstore.tiers.base import BlockMeta, Tier
 from kvstore.writer import BackgroundWriter
 
 WRITE_POLICIES = ("write_through", "on_eviction")
-_TOP_TIER = tuple((bits & -bits).bit_length() - 1 for bits in range(64))  # lowest set bit, small masks
+MAX_TIERS = 6
+_TOP_TIER = tuple((bits & -bits).bit_length() - 1 for bits in range(1 << MAX_TIERS))  # lowest set bit
 
 
 class TieredStore:
@@ -56,10 +57,14 @@ class TieredStore:
             raise InvalidRequest("a store needs at least one tier")
         if write_policy not in WRITE_POLICIES:
             raise InvalidRequest(f"write_policy must be one of {WRITE_POLICIES}, got {write_policy!r}")
+        if len(tiers) > MAX_TIERS:
+            raise InvalidRequest(f"at most {MAX_TIERS} tiers are supported, got {len(tiers)}")
         names = [t.name for t in tiers]
         if len(set(names)) != len(names):
             raise InvalidRequest(f"tier names must be unique, got {names}")
         self.tiers = list(tiers)
+        self._tier_index = {name: t for t, name in enumerate(names)}
+        self._top_tier_names = tuple(names[_TOP_TIER[bits]] if bits else "" for bits in range(1 << len(names)))
         factory = policy if callable(policy) else (lambda: make_policy(policy))
         self._policies = [factory() for _ in self.tiers]
         self.policy_name = self._policies[0].name
@@ -113,28 +118,43 @@ class TieredStore:
     def lookup(self, ns_id: bytes, block_hashes: Sequence[bytes], lease_ttl_s: float | None = None) -> LookupResult:
         """Longest contiguous run of present blocks; changes nothing but the optional lease."""
         spec = self.spec(ns_id)
-        _check_hashes(block_hashes)
         with self._lock:
             self._expire_leases()
-            residency = self._directory[ns_id]
-            doomed = self._doomed  # deleted while leased: still resident, but no longer a hit
-            top: list[int] = []
-            for block_hash in block_hashes:
-                bits = residency.get(block_hash, 0)
-                if not bits or (doomed and ns_id + block_hash in doomed):
-                    break
-                top.append(_TOP_TIER[bits] if bits < len(_TOP_TIER) else (bits & -bits).bit_length() - 1)
+            try:
+                top = self._top_tiers(ns_id, block_hashes)
+            except TypeError:  # unhashable element: say what is wrong with the input
+                _check_hashes(block_hashes)
+                raise
+            # Every hit matched a stored 16-byte digest exactly, so only the rest needs checking:
+            # an all-hit lookup pays nothing for validation.
+            _check_hashes(block_hashes[len(top):])
             self._counters["lookups"] += 1
             self._counters["lookup_blocks"] += len(block_hashes)
             self._counters["hit_blocks"] += len(top)
-            for t in set(top):
-                self._counters[f"hit_blocks:{t}"] += top.count(t)
+            for name in set(top):
+                self._counters[f"hit_blocks:{self._tier_index[name]}"] += top.count(name)
             lease = None
             if lease_ttl_s is not None and top:
                 lease = self._leases.grant([ns_id + h for h in block_hashes[: len(top)]], lease_ttl_s)
-        tiers = tuple(self.tiers[t].name for t in top)
+        tiers = tuple(top)
         refused = lease_ttl_s is not None and bool(top) and lease is None
         return LookupResult(len(block_hashes), spec.block_size, tiers, lease.id if lease else None, refused)
+
+    def _top_tiers(self, ns_id: bytes, block_hashes: Sequence[bytes]) -> list[str]:
+        """Name of the highest tier holding each block of the contiguous hit. Caller holds the lock."""
+        get, top_name = self._directory[ns_id].get, self._top_tier_names
+        top: list[str] = []
+        append = top.append
+        for block_hash in block_hashes:  # hot: one dict probe per block
+            bits = get(block_hash, 0)
+            if not bits:
+                break
+            append(top_name[bits])
+        if self._doomed:  # deleted while leased: still resident for the lease holder, not a hit
+            for i, block_hash in enumerate(block_hashes[: len(top)]):
+                if ns_id + block_hash in self._doomed:
+                    return top[:i]
+        return top
 
     def release(self, lease_id: int) -> None:
         """End a lease. Raises ``UnknownLease`` if it was never issued, released or expired."""
@@ -522,3 +542,4 @@ def _check_hashes(block_hashes: Sequence[bytes]) -> None:
             f"block hashes must be {DIGEST_BYTES}-byte digests (kvstore.keys.chain_hashes); "
             f"got types {sorted(t.__name__ for t in types)} with lengths {sorted(lengths)}"
         )
+

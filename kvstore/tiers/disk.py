@@ -38,7 +38,9 @@ from rocksdict import Options, Rdict, WriteBatch, WriteOptions
 from kvstore.checksum import layers_match
 from kvstore.errors import InvalidRequest, StoreClosed
 from kvstore.tiers.base import KEY_BYTES, BlockMeta, Tier, TierStats
-from kvstore.tiers.segment import HEADER_BYTES, MAX_LAYERS, RecordHeader, footprint, punch_hole, scan_segment
+from kvstore.tiers.segment import (
+    HEADER_BYTES, MAX_LAYERS, RecordHeader, footprint, punch_hole, scan_segment, start_writeback,
+)
 
 log = logging.getLogger(__name__)
 
@@ -298,7 +300,7 @@ class DiskTier(Tier):
             return True
 
     def _write_record(self, segment: _Segment, offset: int, header: bytes, payload: np.ndarray, size: int) -> None:
-        pad = size - HEADER_BYTES - payload.nbytes
+        start, pad = offset, size - HEADER_BYTES - payload.nbytes
         buffers = [memoryview(header), memoryview(payload).cast("B"), memoryview(_ZEROS)[:pad]]
         while buffers:
             written = os.pwritev(segment.fd, buffers, offset)
@@ -311,6 +313,8 @@ class DiskTier(Tier):
         segment.dirty = True
         if self.durable:
             os.fdatasync(segment.fd)
+        else:
+            start_writeback(segment.fd, start, size)
 
     def _roll_segment(self) -> None:
         next_id = max(self._segments, default=0) + 1

@@ -330,3 +330,37 @@ def test_bad_block_size_raises(block_size):
 def test_invalid_namespace_raises(overrides):
     with pytest.raises(InvalidRequest):
         Namespace(**{**BASE_FIELDS, **overrides})
+
+
+def test_concurrent_threads_get_the_same_digests_as_one_thread():
+    """The hash uses per-thread scratch buffers: threads hashing different prompts at once must
+    never see each other's rows."""
+    import threading
+
+    prompts = [np.random.default_rng(seed).integers(0, 129280, 64 * 300) for seed in range(8)]
+    expected = [chain_hashes(ZERO_SEED, p, 64) for p in prompts]
+    failures = []
+
+    def worker(index: int) -> None:
+        for _ in range(20):
+            if chain_hashes(ZERO_SEED, prompts[index], 64) != expected[index]:
+                failures.append(index)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failures == []
+
+
+def test_prompts_longer_than_the_cached_scratch_hash_correctly():
+    import kvstore.keys as keys_module
+
+    tokens = np.random.default_rng(3).integers(0, 129280, 64 * (keys_module._MAX_CACHED_ROWS + 5))
+    naive, prev = [], ZERO_SEED
+    packed = tokens.astype("<u4").tobytes()
+    for i in range(len(tokens) // 64):
+        prev = xxhash.xxh3_128_digest(prev + packed[i * 256 : (i + 1) * 256])
+        naive.append(prev)
+    assert chain_hashes(ZERO_SEED, tokens, 64) == naive

@@ -212,3 +212,13 @@ def test_a_corrupt_layer_fails_load_layer_but_the_other_layer_verifies(make_stor
     assert store.lookup(ns_id, chain[:1]).hit_blocks == 0
     assert store.stats().tier("disk").checksum_failures == 1
     store.check_integrity()
+
+
+@pytest.mark.parametrize("bad", [b"short", bytearray(16), None, 7, memoryview(bytes(16))])
+def test_a_malformed_hash_after_a_valid_hit_is_still_refused(make_store, namespace, spec, chain, bad):
+    store = make_store(background_writes=False)
+    ns_id = store.register_namespace(namespace)
+    store.put(ns_id, chain[:2], payloads_for(spec, chain[:2]))
+    with pytest.raises(InvalidRequest, match="16-byte digests"):
+        store.lookup(ns_id, [chain[0], chain[1], bad])
+    assert store.lookup(ns_id, chain[:2]).hit_blocks == 2
