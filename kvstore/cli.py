@@ -3,6 +3,7 @@
     kvstore run     the main job with embedded defaults (for now: the store walkthrough)
     kvstore bench   bandwidths and lookup time next to their ceilings (--json for one object)
     kvstore fsck    verify a disk tier directory (--repair to drop bad blocks)
+    kvstore replay  token hit rate of a policy on a workload trace (--sweep for a curve)
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Callable
 
 from kvstore.config import DiskConfig, HostConfig, StoreConfig, default_data_dir, parse_size
 from kvstore.errors import InvalidRequest, KVStoreError
+from kvstore.policy import DEFAULT_POLICY, POLICIES
+from kvstore.store import WRITE_POLICIES
 
 
 def progress_bars(label: str, total: int) -> Callable[[int], None]:
@@ -61,6 +64,34 @@ def _cmd_fsck(args: argparse.Namespace) -> int:
     return 0 if report.clean else 1
 
 
+def _cmd_replay(args: argparse.Namespace) -> int:
+    from kvstore.replay import TierSplit, default_capacities, replay, sweep
+    from kvstore.replay_report import format_summary, format_sweep, parse_count, plot_sweep
+    from kvstore.trace import read_trace
+
+    requests = read_trace(args.trace, args.block_tokens)
+    if not requests:
+        raise InvalidRequest(f"trace {args.trace} holds no requests")
+    options = dict(tiers=TierSplit.parse(args.tiers), write_policy=args.write_policy, block_tokens=args.block_tokens)
+    if args.sweep:
+        capacities = ([parse_count(c) for c in args.capacities.split(",")] if args.capacities
+                      else default_capacities(requests, args.block_tokens))
+        policies = args.policies.split(",") if args.policies else sorted(POLICIES)
+        bar = progress_bars("replaying", len(requests) * len(capacities) * len(policies))
+        results = sweep(requests, capacities, policies, progress=bar, **options)
+        if args.plot:
+            plot_sweep(results, args.plot, f"{os.path.basename(args.trace)}: hit rate against capacity")
+        print(json.dumps([r.as_dict() for r in results], indent=2) if args.json else format_sweep(results))
+        return 0
+    if not args.capacity_tokens:
+        raise InvalidRequest("give --capacity-tokens N (e.g. 3M), or --sweep for a range of capacities")
+    bar = progress_bars("replaying", len(requests))
+    result = replay(requests, parse_count(args.capacity_tokens), args.policy, progress=bar,
+                    with_optimal=not args.no_optimal, **options)
+    print(json.dumps(result.as_dict(), indent=2) if args.json else format_summary(result, args.trace))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvstore", description="Tiered KV-cache store for MLA/DSA models.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -86,6 +117,22 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--repair", action="store_true", help="drop blocks that fail verification")
     check.add_argument("--json", action="store_true", help="print one JSON object")
     check.set_defaults(func=_cmd_fsck)
+
+    rep = sub.add_parser("replay", help="token hit rate of an eviction policy on a Mooncake-format trace")
+    rep.add_argument("trace", help="JSONL trace: timestamp, input_length, output_length, hash_ids per line")
+    rep.add_argument("--capacity-tokens", help="cache capacity in tokens (e.g. 3M)")
+    rep.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES), help=f"default {DEFAULT_POLICY}")
+    rep.add_argument("--tiers", default="host", help="capacity split over tiers, fastest first: host=0.25,disk=0.75")
+    rep.add_argument("--write-policy", default="on_eviction", choices=WRITE_POLICIES,
+                     help="on_eviction (default: tiers hold disjoint blocks) or write_through")
+    rep.add_argument("--block-tokens", type=int, default=512, help="tokens per trace block (default 512)")
+    rep.add_argument("--no-optimal", action="store_true", help="skip Belady's offline optimum")
+    rep.add_argument("--sweep", action="store_true", help="hit rate at several capacities for each policy")
+    rep.add_argument("--capacities", help="with --sweep: comma-separated capacities (default: 5%%..100%% of the footprint)")
+    rep.add_argument("--policies", help="with --sweep: comma-separated policies (default: all)")
+    rep.add_argument("--plot", help="with --sweep: write the hit-rate curve to this PNG file")
+    rep.add_argument("--json", action="store_true", help="print JSON")
+    rep.set_defaults(func=_cmd_replay)
     return parser
 
 

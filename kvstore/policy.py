@@ -172,6 +172,7 @@ class LRUPolicy(ChainPolicy):
 
 
 POLICIES: dict[str, type[EvictionPolicy]] = {LRUPolicy.name: LRUPolicy}
+DEFAULT_POLICY = "lru"
 
 
 def make_policy(name: str) -> EvictionPolicy:

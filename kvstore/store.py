@@ -180,12 +180,22 @@ class TieredStore:
             views = [byte_view(d, writable=True) for d in dsts]
             for view in views:
                 check_size(view, spec.block_bytes, "destination buffer")
-            served = []
-            for block_hash, view in zip(block_hashes, views):
-                tier = self._load_one(ns_id + block_hash, view, 0, spec.num_layers)
-                if tier is None:
-                    break
-                served.append(self.tiers[tier].name)
+            # Pin the whole run first: promoting block i into a full tier demotes and evicts
+            # elsewhere, and must never evict block i+1 of the very chain being loaded.
+            keys = [ns_id + h for h in block_hashes]
+            with self._lock:
+                self._leases.pin(keys)
+            try:
+                served = []
+                for key, view in zip(keys, views):
+                    tier = self._load_one(key, view, 0, spec.num_layers)
+                    if tier is None:
+                        break
+                    served.append(self.tiers[tier].name)
+            finally:
+                with self._lock:
+                    self._leases.unpin(keys)
+                    self._bury_doomed(keys)
             return LoadResult(len(block_hashes), tuple(served), len(served) * spec.block_bytes)
         finally:
             if lease_id is not None:

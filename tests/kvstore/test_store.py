@@ -348,3 +348,21 @@ def test_a_closed_store_refuses_work_with_store_closed(make_store, namespace, ch
                  lambda: store.register_namespace(namespace), lambda: store.delete_namespace(ns_id)):
         with pytest.raises(StoreClosed):
             call()
+
+
+def test_loading_a_chain_never_evicts_its_own_later_blocks(make_store, namespace, spec):
+    """Promoting block i of a disk hit into a full host demotes host blocks to a full disk; the
+    disk victim must never be block i+1 of the chain being loaded."""
+    from tests.kvstore.store_helpers import SLOTS4, load_all, put_chain, tokens
+
+    store = make_store(**SLOTS4, disk_bytes=4 * (16 << 10), write_policy="on_eviction", background_writes=False)
+    ns_id = store.register_namespace(namespace)
+    first = namespace_hashes(namespace, tokens(0, 4))
+    payloads, _ = put_chain(store, ns_id, spec, first)
+    put_chain(store, ns_id, spec, namespace_hashes(namespace, tokens(500, 4)))  # pushes the first chain to disk
+    assert store.lookup(ns_id, first).tiers == ("disk",) * 4
+    result, dsts = load_all(store, ns_id, spec, first)
+    assert result.complete and result.tiers == ("disk",) * 4
+    for got, expected in zip(dsts, payloads):
+        np.testing.assert_array_equal(got, expected)
+    store.check_integrity()

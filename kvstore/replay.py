@@ -1,0 +1,195 @@
+"""Trace replay: the token hit rate a policy gets on a workload, through the store's real code.
+
+Each request is served as an engine would: ``lookup`` of its chained block hashes, ``load`` of the
+contiguous hit (which tells the policy of the access and promotes between tiers), then ``put`` of
+the missing blocks with their parents. The tiers are ``AccountingTier`` objects (books without
+bytes), so the lookup, eviction, admission, demotion and promotion paths are the production
+ones; only payload copies are skipped. Background writes are off, so a replay is deterministic.
+
+Every trace block occupies one slot of ``block_tokens`` tokens (pages are fixed-size), while hits
+count a partial last block at its real token count.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from kvstore.belady import infinite_hit_tokens, optimal_hit_tokens
+from kvstore.errors import InvalidRequest
+from kvstore.keys import Namespace
+from kvstore.layout import BlockSpec
+from kvstore.store import TieredStore
+from kvstore.tiers.accounting import AccountingTier
+from kvstore.trace import TraceRequest
+
+# One layer of the indexer's fp8 key: the smallest real format, so replay scratch stays small.
+_COMPONENTS = ("indexer_fp8",)
+LEASE_TTL_S = 3600.0  # a replayed request loads at once; the lease only has to outlive it
+
+
+@dataclass(frozen=True)
+class TierSplit:
+    """How the capacity is shared between tiers, fastest first: ``(("host", 0.25), ("disk", 0.75))``."""
+
+    shares: tuple[tuple[str, float], ...] = (("host", 1.0),)
+
+    def __post_init__(self) -> None:
+        names = [name for name, _ in self.shares]
+        if not self.shares or len(set(names)) != len(names):
+            raise InvalidRequest(f"tiers need distinct names, got {names}")
+        if any(share <= 0 for _, share in self.shares) or abs(sum(s for _, s in self.shares) - 1) > 1e-6:
+            raise InvalidRequest(f"tier shares must be positive and sum to 1, got {self.shares}")
+
+    @classmethod
+    def parse(cls, text: str) -> "TierSplit":
+        """``"host=0.25,disk=0.75"`` (or just ``"host"`` for one tier)."""
+        shares = []
+        for part in text.split(","):
+            name, _, share = part.strip().partition("=")
+            try:
+                shares.append((name.strip(), float(share) if share else 1.0))
+            except ValueError:
+                raise InvalidRequest(f"cannot read tier share {part!r}; example: host=0.25,disk=0.75") from None
+        return cls(tuple(shares))
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    policy: str
+    capacity_tokens: int
+    requests: int
+    input_tokens: int
+    hit_tokens: int
+    max_hit_tokens: int
+    optimal_hit_tokens: int | None
+    tier_hit_tokens: dict[str, int]
+    tier_capacity_tokens: dict[str, int]
+    write_policy: str
+    elapsed_s: float
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / max(self.input_tokens, 1)
+
+    @property
+    def max_hit_rate(self) -> float:
+        return self.max_hit_tokens / max(self.input_tokens, 1)
+
+    @property
+    def fraction_of_max(self) -> float:
+        return self.hit_tokens / max(self.max_hit_tokens, 1)
+
+    @property
+    def optimal_hit_rate(self) -> float | None:
+        return None if self.optimal_hit_tokens is None else self.optimal_hit_tokens / max(self.input_tokens, 1)
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        out.update(hit_rate=self.hit_rate, max_hit_rate=self.max_hit_rate, fraction_of_max=self.fraction_of_max,
+                   optimal_hit_rate=self.optimal_hit_rate,
+                   optimal_fraction_of_max=None if self.optimal_hit_tokens is None
+                   else self.optimal_hit_tokens / max(self.max_hit_tokens, 1))
+        return out
+
+
+def _key(hash_id: int) -> bytes:
+    return hash_id.to_bytes(16, "little")
+
+
+def replay(
+    requests: Sequence[TraceRequest],
+    capacity_tokens: int,
+    policy: str = "lru",
+    tiers: TierSplit = TierSplit(),
+    write_policy: str = "on_eviction",
+    block_tokens: int = 512,
+    with_optimal: bool = True,
+    progress: Callable[[int], None] | None = None,
+) -> ReplayResult:
+    """Replay ``requests`` through a store of ``capacity_tokens`` split over ``tiers``."""
+    if capacity_tokens < block_tokens * len(tiers.shares):
+        raise InvalidRequest(f"capacity of {capacity_tokens} tokens is below one {block_tokens}-token block per tier")
+    namespace = Namespace("replay", "trace", 1, _COMPONENTS, block_size=block_tokens)
+    spec = BlockSpec.of(namespace)
+    slots = {name: max(1, int(capacity_tokens * share) // block_tokens) for name, share in tiers.shares}
+    store = TieredStore([AccountingTier(name, n * spec.block_bytes) for name, n in slots.items()],
+                        policy=policy, write_policy=write_policy, background_writes=False)
+    started = time.perf_counter()
+    try:
+        ns_id = store.register_namespace(namespace)
+        hit_tokens, tier_hits = _serve_all(store, ns_id, spec, requests, block_tokens, progress)
+        store.check_integrity()
+    finally:
+        store.close()
+    elapsed = time.perf_counter() - started
+    total_slots = sum(slots.values())
+    return ReplayResult(
+        policy=store.policy_name,
+        capacity_tokens=capacity_tokens,
+        requests=len(requests),
+        input_tokens=sum(r.input_length for r in requests),
+        hit_tokens=hit_tokens,
+        max_hit_tokens=infinite_hit_tokens(requests, block_tokens),
+        optimal_hit_tokens=optimal_hit_tokens(requests, total_slots, block_tokens) if with_optimal else None,
+        tier_hit_tokens=tier_hits,
+        tier_capacity_tokens={name: n * block_tokens for name, n in slots.items()},
+        write_policy=write_policy,
+        elapsed_s=elapsed,
+    )
+
+
+def _serve_all(store: TieredStore, ns_id: bytes, spec: BlockSpec, requests: Sequence[TraceRequest],
+               block_tokens: int, progress: Callable[[int], None] | None) -> tuple[int, dict[str, int]]:
+    scratch = np.zeros(spec.block_bytes, np.uint8)  # accounting tiers neither read nor write it
+    tier_hits = {tier.name: 0 for tier in store.tiers}
+    hit_tokens = 0
+    for number, request in enumerate(requests, 1):
+        hashes = [_key(h) for h in request.hash_ids]
+        hit = store.lookup(ns_id, hashes, lease_ttl_s=LEASE_TTL_S)  # as an engine's connector does
+        found = hit.hit_blocks
+        loaded = store.load(ns_id, hashes[:found], [scratch] * found, lease_id=hit.lease_id) if found else None
+        served = loaded.tiers if loaded else ()
+        for index, tier in enumerate(served):
+            tokens = request.block_tokens(index, block_tokens)
+            tier_hits[tier] += tokens
+            hit_tokens += tokens
+        done = len(served)
+        if done < len(hashes):
+            parent = hashes[done - 1] if done else None
+            store.put(ns_id, hashes[done:], [scratch] * (len(hashes) - done), parent=parent)
+        if progress and number % 256 == 0:
+            progress(256)
+    return hit_tokens, tier_hits
+
+
+def sweep(requests: Sequence[TraceRequest], capacities: Sequence[int], policies: Sequence[str],
+          block_tokens: int = 512, progress: Callable[[int], None] | None = None, **kw) -> list[ReplayResult]:
+    """``replay`` at every capacity for every policy (the optimum is computed once per capacity)."""
+    results = []
+    for capacity in capacities:
+        optimal = None
+        for policy in policies:
+            result = replay(requests, capacity, policy, block_tokens=block_tokens, with_optimal=optimal is None,
+                            progress=progress, **kw)
+            optimal = result.optimal_hit_tokens if optimal is None else optimal
+            results.append(result if result.optimal_hit_tokens is not None
+                           else _with_optimal(result, optimal))
+    return results
+
+
+def _with_optimal(result: ReplayResult, optimal: int) -> ReplayResult:
+    fields = asdict(result)
+    fields["optimal_hit_tokens"] = optimal
+    return ReplayResult(**fields)
+
+
+def default_capacities(requests: Sequence[TraceRequest], block_tokens: int = 512) -> list[int]:
+    """Capacities from 5% to 100% of the trace's distinct footprint, rounded to whole blocks."""
+    distinct = len({h for r in requests for h in r.hash_ids}) * block_tokens
+    return sorted({max(block_tokens, int(distinct * f) // block_tokens * block_tokens)
+                   for f in (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0)})

@@ -1,0 +1,75 @@
+"""Accounting tier: keeps the books of a tier (keys, sizes, capacity) and none of the bytes.
+
+Trace replay runs the store's real lookup, load, put and eviction code over tiers of this kind,
+so hit rates come from the production policy path without moving payloads. ``read`` leaves the
+destination untouched and reports a hit: never use this tier where bytes matter.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Iterator
+
+import numpy as np
+
+from kvstore.errors import InvalidRequest
+from kvstore.tiers.base import BlockMeta, Tier, TierStats
+
+
+class AccountingTier(Tier):
+    def __init__(self, name: str, capacity_bytes: int):
+        if capacity_bytes <= 0:
+            raise InvalidRequest(f"tier {name!r} needs a positive capacity, got {capacity_bytes}")
+        self.name = name
+        self.capacity_bytes = capacity_bytes
+        self._blocks: dict[bytes, BlockMeta] = {}
+        self._used = 0
+        self._lock = threading.Lock()
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    def footprint(self, nbytes: int) -> int:
+        return nbytes
+
+    def can_fit(self, nbytes: int) -> bool:
+        return self._used + nbytes <= self.capacity_bytes
+
+    def contains(self, key: bytes) -> bool:
+        return key in self._blocks
+
+    def meta(self, key: bytes) -> BlockMeta | None:
+        return self._blocks.get(key)
+
+    def items(self) -> Iterator[tuple[bytes, BlockMeta]]:
+        with self._lock:
+            return iter(list(self._blocks.items()))
+
+    def write(self, key: bytes, payload: np.ndarray, meta: BlockMeta) -> bool:
+        with self._lock:
+            assert key not in self._blocks, "duplicate write (store bug)"
+            if self._used + meta.nbytes > self.capacity_bytes:
+                return False
+            self._blocks[key] = meta
+            self._used += meta.nbytes
+            return True
+
+    def read(self, key: bytes, dst: np.ndarray, first_layer: int = 0, num_layers: int | None = None) -> bool:
+        return key in self._blocks
+
+    def remove(self, key: bytes) -> bool:
+        with self._lock:
+            meta = self._blocks.pop(key, None)
+            if meta is None:
+                return False
+            self._used -= meta.nbytes
+            return True
+
+    def check_integrity(self) -> None:
+        with self._lock:
+            assert self._used == sum(m.nbytes for m in self._blocks.values()), "used bytes disagree with blocks"
+            assert 0 <= self._used <= self.capacity_bytes, "accounting tier over capacity"
+
+    def stats(self) -> TierStats:
+        return TierStats(self.name, self.capacity_bytes, self._used, len(self._blocks))

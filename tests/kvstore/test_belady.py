@@ -1,0 +1,80 @@
+"""Belady's offline optimum: exact on small cases, never beaten by the exhaustive optimum."""
+
+import itertools
+import random
+
+import pytest
+
+from kvstore.belady import infinite_hit_tokens, next_uses, optimal_hit_tokens
+from kvstore.trace import TraceRequest
+
+
+def req(*ids, tokens=None):
+    return TraceRequest(0.0, tokens if tokens is not None else 4 * len(ids), 0, tuple(ids))
+
+
+def exhaustive_optimum(requests, capacity, block_tokens):
+    """Best total over every admission/eviction choice: after each request the cache may hold any
+    subset (up to capacity) of what it held plus what the request brought."""
+    states = {frozenset(): 0}
+    for request in requests:
+        next_states: dict[frozenset, int] = {}
+        for cache, total in states.items():
+            ids = request.hash_ids
+            hits = next((i for i, h in enumerate(ids) if h not in cache), len(ids))
+            gained = total + sum(request.block_tokens(j, block_tokens) for j in range(hits))
+            pool = sorted(cache | set(ids))
+            for size in range(min(capacity, len(pool)) + 1):
+                for kept in itertools.combinations(pool, size):
+                    key = frozenset(kept)
+                    if next_states.get(key, -1) < gained:
+                        next_states[key] = gained
+        states = next_states
+    return max(states.values())
+
+
+def random_trace(rng, requests, chains):
+    """Requests that each take a prefix of one of a few random chains (shared prefix ids), all
+    blocks full: an id names one exact prefix, so it cannot be partial in one request and full in
+    another."""
+    trees = [[c * 100 + d for d in range(rng.randint(1, 4))] for c in range(chains)]
+    out = []
+    for _ in range(requests):
+        chain = rng.choice(trees)
+        depth = rng.randint(1, len(chain))
+        out.append(req(*chain[:depth]))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_belady_matches_the_exhaustive_optimum_on_small_traces(seed):
+    rng = random.Random(seed)
+    trace = random_trace(rng, requests=rng.randint(3, 7), chains=rng.randint(1, 3))
+    capacity = rng.randint(1, 3)
+    assert optimal_hit_tokens(trace, capacity, 4) == exhaustive_optimum(trace, capacity, 4)
+
+
+def test_with_unequal_block_weights_belady_is_a_block_optimum_not_a_token_optimum():
+    """Documented limit: a 1-token partial block counts like a full one for Belady."""
+    trace = [req(0, tokens=1), req(100), req(0, tokens=1), req(100)]
+    assert optimal_hit_tokens(trace, 1, 4) < exhaustive_optimum(trace, 1, 4) == 4
+
+
+def test_ties_keep_the_head_of_a_chain():
+    trace = [req(1, 2), req(1, 2), req(1, 2)]
+    assert optimal_hit_tokens(trace, capacity_blocks=1, block_tokens=4) == 8  # block 1 twice
+
+
+def test_partial_last_block_counts_its_real_tokens():
+    trace = [req(1, 2, tokens=6), req(1, 2, tokens=6)]
+    assert optimal_hit_tokens(trace, 2, 4) == 6 and infinite_hit_tokens(trace, 4) == 6
+
+
+def test_next_uses_points_at_the_next_request_or_never():
+    trace = [req(1, 2), req(3), req(1)]
+    assert next_uses(trace) == [[2, float("inf")], [float("inf")], [float("inf")]]
+
+
+def test_infinite_capacity_hits_every_repeated_prefix():
+    trace = [req(1, 2, 3), req(1, 2, 9), req(1, 2, 3)]
+    assert infinite_hit_tokens(trace, 4) == 8 + 12

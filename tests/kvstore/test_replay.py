@@ -1,0 +1,122 @@
+"""Trace replay through the real store: exact hit counts, tier splits, determinism, the CLI."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvstore.errors import InvalidRequest
+from kvstore.replay import TierSplit, default_capacities, replay, sweep
+from kvstore.replay_report import format_summary, format_sweep, parse_count
+from kvstore.trace import TraceRequest, write_trace
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+B = 512
+
+
+def req(*ids, tokens=None):
+    return TraceRequest(0.0, tokens if tokens is not None else B * len(ids), 0, tuple(ids))
+
+
+def test_a_repeated_prompt_hits_everything_but_the_first_time():
+    trace = [req(1, 2, 3), req(1, 2, 3, tokens=3 * B - 100)]
+    result = replay(trace, capacity_tokens=10 * B)
+    assert result.hit_tokens == 2 * B + (B - 100)  # the partial last block counts its real tokens
+    assert result.max_hit_tokens == result.hit_tokens and result.fraction_of_max == 1.0
+
+
+def test_lru_evicts_the_coldest_chain_tail_first():
+    # capacity 3 slots: chain A (2 blocks), then B (2 blocks) evicts A's tail, not A's head
+    trace = [req(1, 2), req(10, 11), req(1, 2)]
+    result = replay(trace, capacity_tokens=3 * B, policy="lru", with_optimal=True)
+    assert result.hit_tokens == B  # block 1 survived, block 2 was the victim
+    assert result.optimal_hit_tokens == 2 * B  # Belady keeps chain A whole by bypassing B's tail
+
+
+def test_tier_split_reports_hits_per_tier_and_splits_capacity():
+    trace = [req(1, 2, 3, 4), req(5, 6, 7, 8), req(1, 2, 3, 4)]
+    result = replay(trace, capacity_tokens=8 * B, tiers=TierSplit.parse("host=0.5,disk=0.5"))
+    assert result.tier_capacity_tokens == {"host": 4 * B, "disk": 4 * B}
+    assert sum(result.tier_hit_tokens.values()) == result.hit_tokens == 4 * B
+    assert result.tier_hit_tokens["disk"] > 0, "the first chain was demoted to disk and hit there"
+
+
+def test_replay_is_deterministic_and_never_beats_belady():
+    import random
+
+    rng = random.Random(7)
+    trace = [req(*[c * 1000 + d for d in range(rng.randint(1, 6))]) for c in (rng.randint(0, 30) for _ in range(400))]
+    first, second = replay(trace, 20 * B), replay(trace, 20 * B)
+    assert first.hit_tokens == second.hit_tokens
+    assert first.hit_tokens <= first.optimal_hit_tokens <= first.max_hit_tokens
+
+
+def test_sweep_computes_every_capacity_and_policy():
+    trace = [req(1, 2), req(3, 4), req(1, 2), req(1, 2, 5)]
+    results = sweep(trace, [B, 2 * B, 8 * B], ["lru"])
+    assert [r.capacity_tokens for r in results] == [B, 2 * B, 8 * B]
+    assert all(r.optimal_hit_tokens is not None for r in results)
+    assert [r.hit_tokens for r in results] == sorted(r.hit_tokens for r in results)  # monotone here
+    assert "belady" in format_sweep(results) and "lru" in format_summary(results[0], "t")
+
+
+def test_default_capacities_span_the_footprint():
+    trace = [req(*range(i * 10, i * 10 + 10)) for i in range(10)]  # 100 distinct blocks
+    caps = default_capacities(trace)
+    assert caps[0] == 5 * B and caps[-1] == 100 * B
+
+
+@pytest.mark.parametrize("text, expected", [("3M", 3_000_000), ("500k", 500_000), ("1.5M", 1_500_000), ("42", 42)])
+def test_parse_count(text, expected):
+    assert parse_count(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["lots", "-3M", "0"])
+def test_parse_count_refuses_garbage(bad):
+    with pytest.raises(InvalidRequest):
+        parse_count(bad)
+
+
+@pytest.mark.parametrize("text", ["host=0.5", "host=0.5,host=0.5", "host=x", "host=1.5,disk=-0.5"])
+def test_bad_tier_splits_are_refused(text):
+    with pytest.raises(InvalidRequest):
+        TierSplit.parse(text)
+
+
+def test_capacity_below_one_block_per_tier_is_refused():
+    with pytest.raises(InvalidRequest, match="below one"):
+        replay([req(1)], capacity_tokens=B // 2)
+
+
+def _kvstore(*args):
+    env = {**os.environ, "PYTHONPATH": REPO}
+    return subprocess.run([sys.executable, "-m", "kvstore.cli", *args], capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_cli_replay_json_has_the_documented_keys(tmp_path):
+    path = tmp_path / "t.jsonl"
+    write_trace(str(path), [req(1, 2, 3), req(1, 2, 4), req(1, 2, 3)])
+    done = _kvstore("replay", str(path), "--capacity-tokens", "2k", "--json")
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    for key in ("hit_rate", "max_hit_rate", "fraction_of_max", "optimal_hit_rate", "policy", "capacity_tokens"):
+        assert key in out
+    assert out["capacity_tokens"] == 2000 and out["policy"] == "lru" and 0 < out["hit_rate"] <= out["max_hit_rate"]
+
+
+def test_cli_sweep_writes_a_png(tmp_path):
+    path = tmp_path / "t.jsonl"
+    write_trace(str(path), [req(1, 2, 3), req(1, 2, 4), req(1, 2, 3), req(7, 8)])
+    plot = tmp_path / "curve.png"
+    done = _kvstore("replay", str(path), "--sweep", "--capacities", "1k,2k,4k", "--plot", str(plot))
+    assert done.returncode == 0, done.stderr
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "belady" in done.stdout
+
+
+def test_cli_replay_without_capacity_says_what_to_do(tmp_path):
+    path = tmp_path / "t.jsonl"
+    write_trace(str(path), [req(1)])
+    done = _kvstore("replay", str(path))
+    assert done.returncode == 2 and "--capacity-tokens" in done.stderr
