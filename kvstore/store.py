@@ -26,6 +26,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from kvstore.buffers import byte_view, check_size
+from kvstore.directory import MAX_TIERS, Directory
+from kvstore.placement import PlacementMixin
 from kvstore.checksum import layer_checksums
 from kvstore.errors import InvalidRequest, StoreClosed, UnknownLease, UnknownNamespace
 from kvstore.keys import DIGEST_BYTES, Namespace
@@ -37,11 +39,9 @@ from kvstore.tiers.base import BlockMeta, Tier
 from kvstore.writer import BackgroundWriter
 
 WRITE_POLICIES = ("write_through", "on_eviction")
-MAX_TIERS = 6
-_TOP_TIER = tuple((bits & -bits).bit_length() - 1 for bits in range(1 << MAX_TIERS))  # lowest set bit
 
 
-class TieredStore:
+class TieredStore(PlacementMixin):
     def __init__(
         self,
         tiers: Sequence[Tier],
@@ -64,7 +64,6 @@ class TieredStore:
             raise InvalidRequest(f"tier names must be unique, got {names}")
         self.tiers = list(tiers)
         self._tier_index = {name: t for t, name in enumerate(names)}
-        self._top_tier_names = tuple(names[_TOP_TIER[bits]] if bits else "" for bits in range(1 << len(names)))
         factory = policy if callable(policy) else (lambda: make_policy(policy))
         self._policies = [factory() for _ in self.tiers]
         self.policy_name = self._policies[0].name
@@ -72,7 +71,7 @@ class TieredStore:
         self.promote_on_hit = promote_on_hit
         self.default_lease_ttl_s = lease_ttl_s
         self._namespaces: dict[bytes, tuple[Namespace, BlockSpec]] = {}
-        self._directory: dict[bytes, dict[bytes, int]] = {}  # ns id -> block hash -> tier bits
+        self._directory = Directory(names)
         self._inflight: set[bytes] = set()  # keys being put right now
         self._placing: set[tuple[int, bytes]] = set()  # (tier, key) being written by _place right now
         self._doomed: set[bytes] = set()  # deleted while pinned: removed at the last unpin
@@ -99,7 +98,7 @@ class TieredStore:
                 )
         with self._lock:
             self._namespaces[namespace.id] = (namespace, spec)
-            self._directory.setdefault(namespace.id, {})
+            self._directory.add_namespace(namespace.id)
         return namespace.id
 
     def spec(self, ns_id: bytes) -> BlockSpec:
@@ -141,16 +140,10 @@ class TieredStore:
         return LookupResult(len(block_hashes), spec.block_size, tiers, lease.id if lease else None, refused)
 
     def _top_tiers(self, ns_id: bytes, block_hashes: Sequence[bytes]) -> list[str]:
-        """Name of the highest tier holding each block of the contiguous hit. Caller holds the lock."""
-        get, top_name = self._directory[ns_id].get, self._top_tier_names
-        top: list[str] = []
-        append = top.append
-        for block_hash in block_hashes:  # hot: one dict probe per block
-            bits = get(block_hash, 0)
-            if not bits:
-                break
-            append(top_name[bits])
-        if self._doomed:  # deleted while leased: still resident for the lease holder, not a hit
+        """The directory's contiguous hit, cut before any block deleted while leased (still
+        resident for the lease holder, but no longer a hit). Caller holds the lock."""
+        top = self._directory.top_tiers(ns_id, block_hashes)
+        if self._doomed:
             for i, block_hash in enumerate(block_hashes[: len(top)]):
                 if ns_id + block_hash in self._doomed:
                     return top[:i]
@@ -216,7 +209,7 @@ class TieredStore:
 
     def _load_one(self, key: bytes, dst: np.ndarray, first_layer: int, num_layers: int) -> int | None:
         with self._lock:
-            bits = self._directory.get(key[:DIGEST_BYTES], {}).get(key[DIGEST_BYTES:], 0)
+            bits = self._directory.bits(key)
             if not bits:
                 return None
             self._leases.pin([key])
@@ -239,17 +232,6 @@ class TieredStore:
             with self._lock:
                 self._leases.unpin([key])
                 self._bury_doomed([key])
-
-    def _promote(self, key: bytes, payload: np.ndarray, source_meta: BlockMeta | None) -> None:
-        if source_meta is None:  # dropped meanwhile; the caller's bytes were verified, but not worth a slot
-            return
-        if payload.nbytes != source_meta.nbytes:  # one layer (load_layer) is not a block
-            return
-        meta = source_meta if source_meta.checksums else replace(
-            source_meta, checksums=layer_checksums(payload, source_meta.num_layers))
-        if self._place(0, key, payload, meta):
-            with self._lock:
-                self._counters["promotions_in:0"] += 1
 
     # ---- put ---------------------------------------------------------------------------
 
@@ -295,112 +277,17 @@ class TieredStore:
             with self._lock:
                 self._inflight.discard(key)
 
-    def _place(self, t: int, key: bytes, payload: np.ndarray, meta: BlockMeta) -> bool:
-        """Make room in tier ``t`` by policy, write, publish. False when no room can be made, or
-        when another thread is writing the same block into the same tier (two promotions of one
-        block, say): a tier accepts each block once."""
-        tier = self.tiers[t]
-        for _ in range(3):  # another thread may take the room between eviction and write
-            with self._lock:
-                if self._bits(key) >> t & 1:
-                    return True
-                if (t, key) in self._placing or not self._make_room(t, meta.nbytes):
-                    return False
-                self._placing.add((t, key))
-            try:
-                written = tier.write(key, payload, meta)
-                if written:
-                    with self._lock:
-                        self._publish(t, key, meta)
-            finally:
-                with self._lock:
-                    self._placing.discard((t, key))
-            if written:
-                return True
-        return False
-
-    def _write_through(self, key: bytes, source: int, meta: BlockMeta) -> None:
-        if self.write_policy != "write_through":
-            return
-        for target in range(source + 1, len(self.tiers)):
-            with self._lock:
-                self._leases.pin([key])
-            job = lambda target=target: self._copy_down(key, source, target, meta)  # noqa: E731
-            if self._writer is None:
-                job()
-            else:
-                self._writer.submit(job)
-
-    def _copy_down(self, key: bytes, source: int, target: int, meta: BlockMeta) -> None:
-        try:
-            payload = self.tiers[source].view(key)
-            if payload is None:
-                payload = np.empty(meta.nbytes, np.uint8)
-                if not self.tiers[source].read(key, payload):
-                    return
-            self._place(target, key, payload, meta)
-        finally:
-            with self._lock:
-                self._leases.unpin([key])
-                self._bury_doomed([key])
-
-    # ---- eviction ----------------------------------------------------------------------
-
-    def _make_room(self, t: int, nbytes: int) -> bool:
-        """Evict victims of tier ``t`` (by its policy) until ``nbytes`` fit. Caller holds the lock."""
-        tier = self.tiers[t]
-        if tier.footprint(nbytes) > tier.capacity_bytes:
-            return False
-        if tier.can_fit(nbytes):
-            return True
-        for helping_only in (True, False):
-            victims = self._policies[t].victims(
-                lambda k: not self._leases.is_pinned(k) and k not in self._inflight
-                and (not helping_only or tier.eviction_helps(k, nbytes))
-            )
-            try:
-                for victim in victims:
-                    self._evict(t, victim)
-                    if tier.can_fit(nbytes):
-                        return True
-            finally:
-                victims.close()
-        return False
-
-    def _evict(self, t: int, key: bytes) -> None:
-        lower = t + 1
-        if self.write_policy == "on_eviction" and lower < len(self.tiers) and not self._bits(key) >> lower:
-            meta = self.tiers[t].meta(key)
-            payload = self.tiers[t].view(key)
-            if payload is None and meta is not None:
-                payload = np.empty(meta.nbytes, np.uint8)
-                payload = payload if self.tiers[t].read(key, payload) else None
-            if meta is not None and payload is not None and self._place(lower, key, payload, meta):
-                self._counters[f"demotions_in:{lower}"] += 1
-        self.tiers[t].remove(key)
-        self._forget(key, t)
-        self._counters[f"evictions:{t}"] += 1
-
     # ---- directory bookkeeping (caller holds the lock) ------------------------------------
 
     def _bits(self, key: bytes) -> int:
-        return self._directory.get(key[:DIGEST_BYTES], {}).get(key[DIGEST_BYTES:], 0)
+        return self._directory.bits(key)
 
     def _publish(self, t: int, key: bytes, meta: BlockMeta) -> None:
-        residency = self._directory.setdefault(key[:DIGEST_BYTES], {})
-        block_hash = key[DIGEST_BYTES:]
-        residency[block_hash] = residency.get(block_hash, 0) | 1 << t
+        self._directory.add(key, t)
         self._policies[t].on_insert(key, meta.parent, meta.nbytes)
 
     def _forget(self, key: bytes, t: int) -> None:
-        residency = self._directory.get(key[:DIGEST_BYTES])
-        block_hash = key[DIGEST_BYTES:]
-        if residency is not None and block_hash in residency:
-            bits = residency[block_hash] & ~(1 << t)
-            if bits:
-                residency[block_hash] = bits
-            else:
-                del residency[block_hash]
+        self._directory.discard(key, t)
         self._policies[t].on_remove(key)
 
     def _lease_keys(self, lease_id: int) -> tuple[bytes, ...]:
@@ -444,17 +331,6 @@ class TieredStore:
             while tier.used_bytes > tier.capacity_bytes and self._make_room_for_shrink(t):
                 pass
 
-    def _make_room_for_shrink(self, t: int) -> bool:
-        victims = self._policies[t].victims()
-        try:
-            victim = next(victims, None)
-        finally:
-            victims.close()
-        if victim is None:
-            return False
-        self._evict(t, victim)
-        return True
-
     # ---- maintenance -------------------------------------------------------------------
 
     def delete_namespace(self, ns_id: bytes) -> int:
@@ -464,7 +340,7 @@ class TieredStore:
         """
         self.spec(ns_id)
         with self._lock:
-            keys = [ns_id + h for h in self._directory.get(ns_id, {})]
+            keys = self._directory.keys(ns_id)
             for key in keys:
                 if self._leases.is_pinned(key):
                     self._doomed.add(key)
@@ -518,7 +394,7 @@ class TieredStore:
             for t, tier in enumerate(self.tiers):
                 tier.check_integrity()
                 resident = {key for key, _ in tier.items()} - self._inflight
-                listed = {ns + h for ns, hashes in self._directory.items() for h, b in hashes.items() if b >> t & 1}
+                listed = set(self._directory.keys_in_tier(t))
                 assert resident == listed, f"{tier.name}: directory and tier disagree on {len(resident ^ listed)} blocks"
                 assert len(self._policies[t]) == len(listed), f"{tier.name}: policy tracks a different block set"
 

@@ -1,0 +1,126 @@
+"""Placement across tiers: making room by policy, writing, write-through, demotion, promotion.
+
+``PlacementMixin`` is half of ``TieredStore`` (kept apart to keep each file to one concern). It
+expects the host class to provide ``tiers``, ``_policies``, ``_lock`` (re-entrant), ``_leases``,
+``_inflight``, ``_placing``, ``_counters``, ``_writer``, ``write_policy`` and the bookkeeping
+methods ``_bits``, ``_publish``, ``_forget`` and ``_bury_doomed``. Methods whose docstring says
+"caller holds the lock" must be called under ``_lock``; the others take it themselves and copy
+bytes outside it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from kvstore.checksum import layer_checksums
+from kvstore.tiers.base import BlockMeta
+
+
+class PlacementMixin:
+    def _promote(self, key: bytes, payload: np.ndarray, source_meta: BlockMeta | None) -> None:
+        if source_meta is None:  # dropped meanwhile; the caller's bytes were verified, but not worth a slot
+            return
+        if payload.nbytes != source_meta.nbytes:  # one layer (load_layer) is not a block
+            return
+        meta = source_meta if source_meta.checksums else replace(
+            source_meta, checksums=layer_checksums(payload, source_meta.num_layers))
+        if self._place(0, key, payload, meta):
+            with self._lock:
+                self._counters["promotions_in:0"] += 1
+
+    def _place(self, t: int, key: bytes, payload: np.ndarray, meta: BlockMeta) -> bool:
+        """Make room in tier ``t`` by policy, write, publish. False when no room can be made, or
+        when another thread is writing the same block into the same tier (two promotions of one
+        block, say): a tier accepts each block once."""
+        tier = self.tiers[t]
+        for _ in range(3):  # another thread may take the room between eviction and write
+            with self._lock:
+                if self._bits(key) >> t & 1:
+                    return True
+                if (t, key) in self._placing or not self._make_room(t, meta.nbytes):
+                    return False
+                self._placing.add((t, key))
+            try:
+                written = tier.write(key, payload, meta)
+                if written:
+                    with self._lock:
+                        self._publish(t, key, meta)
+            finally:
+                with self._lock:
+                    self._placing.discard((t, key))
+            if written:
+                return True
+        return False
+
+    def _write_through(self, key: bytes, source: int, meta: BlockMeta) -> None:
+        if self.write_policy != "write_through":
+            return
+        for target in range(source + 1, len(self.tiers)):
+            with self._lock:
+                self._leases.pin([key])
+            job = lambda target=target: self._copy_down(key, source, target, meta)  # noqa: E731
+            if self._writer is None:
+                job()
+            else:
+                self._writer.submit(job)
+
+    def _copy_down(self, key: bytes, source: int, target: int, meta: BlockMeta) -> None:
+        try:
+            payload = self.tiers[source].view(key)
+            if payload is None:
+                payload = np.empty(meta.nbytes, np.uint8)
+                if not self.tiers[source].read(key, payload):
+                    return
+            self._place(target, key, payload, meta)
+        finally:
+            with self._lock:
+                self._leases.unpin([key])
+                self._bury_doomed([key])
+
+    def _make_room(self, t: int, nbytes: int) -> bool:
+        """Evict victims of tier ``t`` (by its policy) until ``nbytes`` fit. Caller holds the lock."""
+        tier = self.tiers[t]
+        if tier.footprint(nbytes) > tier.capacity_bytes:
+            return False
+        if tier.can_fit(nbytes):
+            return True
+        for helping_only in (True, False):
+            victims = self._policies[t].victims(
+                lambda k: not self._leases.is_pinned(k) and k not in self._inflight
+                and (not helping_only or tier.eviction_helps(k, nbytes))
+            )
+            try:
+                for victim in victims:
+                    self._evict(t, victim)
+                    if tier.can_fit(nbytes):
+                        return True
+            finally:
+                victims.close()
+        return False
+
+    def _evict(self, t: int, key: bytes) -> None:
+        lower = t + 1
+        if self.write_policy == "on_eviction" and lower < len(self.tiers) and not self._bits(key) >> lower:
+            meta = self.tiers[t].meta(key)
+            payload = self.tiers[t].view(key)
+            if payload is None and meta is not None:
+                payload = np.empty(meta.nbytes, np.uint8)
+                payload = payload if self.tiers[t].read(key, payload) else None
+            if meta is not None and payload is not None and self._place(lower, key, payload, meta):
+                self._counters[f"demotions_in:{lower}"] += 1
+        self.tiers[t].remove(key)
+        self._forget(key, t)
+        self._counters[f"evictions:{t}"] += 1
+
+    def _make_room_for_shrink(self, t: int) -> bool:
+        victims = self._policies[t].victims()
+        try:
+            victim = next(victims, None)
+        finally:
+            victims.close()
+        if victim is None:
+            return False
+        self._evict(t, victim)
+        return True
