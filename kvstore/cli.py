@@ -18,7 +18,7 @@ from typing import Callable
 
 from kvstore.config import DiskConfig, HostConfig, StoreConfig, default_data_dir, parse_size
 from kvstore.errors import InvalidRequest, KVStoreError
-from kvstore.policy import DEFAULT_POLICY, POLICIES
+from kvstore.policies import DEFAULT_POLICY, POLICIES
 from kvstore.store import WRITE_POLICIES
 
 

@@ -7,7 +7,7 @@ environment, the environment overrides defaults)::
     KVSTORE_DISK_PATH=/var/lib/kvstore
     KVSTORE_DISK_CAPACITY=200GiB    disk tier bytes ("0" disables it; default: auto)
     KVSTORE_DURABLE=1               acknowledge a disk write only after fsync
-    KVSTORE_POLICY=lru
+    KVSTORE_POLICY=reuse_arc
     KVSTORE_WRITE_POLICY=write_through | on_eviction
     KVSTORE_PROMOTE_ON_HIT=1
     KVSTORE_LEASE_TTL_S=30
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from kvstore.errors import InvalidRequest
-from kvstore.policy import POLICIES
+from kvstore.policies import DEFAULT_POLICY, POLICIES
 from kvstore.store import WRITE_POLICIES, TieredStore
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.host import HostTier
@@ -95,7 +95,7 @@ class DiskConfig:
 class StoreConfig:
     host: HostConfig | None = field(default_factory=HostConfig)
     disk: DiskConfig | None = field(default_factory=DiskConfig)
-    policy: str = "lru"
+    policy: str = DEFAULT_POLICY
     write_policy: str = "write_through"
     promote_on_hit: bool = True
     lease_ttl_s: float = 30.0

@@ -21,6 +21,7 @@ import numpy as np
 from kvstore.belady import infinite_hit_tokens, optimal_hit_tokens
 from kvstore.errors import InvalidRequest
 from kvstore.keys import Namespace
+from kvstore.policies import DEFAULT_POLICY
 from kvstore.layout import BlockSpec
 from kvstore.store import TieredStore
 from kvstore.tiers.accounting import AccountingTier
@@ -104,7 +105,7 @@ def _key(hash_id: int) -> bytes:
 def replay(
     requests: Sequence[TraceRequest],
     capacity_tokens: int,
-    policy: str = "lru",
+    policy: str = DEFAULT_POLICY,
     tiers: TierSplit = TierSplit(),
     write_policy: str = "on_eviction",
     block_tokens: int = 512,

@@ -33,7 +33,7 @@ from kvstore.errors import InvalidRequest, StoreClosed, UnknownLease, UnknownNam
 from kvstore.keys import DIGEST_BYTES, Namespace
 from kvstore.layout import BlockSpec
 from kvstore.lease import LeaseTable
-from kvstore.policy import EvictionPolicy, make_policy
+from kvstore.policies import DEFAULT_POLICY, EvictionPolicy, make_policy
 from kvstore.results import LoadResult, LookupResult, PutResult, StoreStats
 from kvstore.tiers.base import BlockMeta, Tier
 from kvstore.writer import BackgroundWriter
@@ -45,7 +45,7 @@ class TieredStore(PlacementMixin):
     def __init__(
         self,
         tiers: Sequence[Tier],
-        policy: str | Callable[[], EvictionPolicy] = "lru",
+        policy: str | Callable[[], EvictionPolicy] = DEFAULT_POLICY,
         write_policy: str = "write_through",
         promote_on_hit: bool = True,
         lease_ttl_s: float = 30.0,

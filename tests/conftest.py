@@ -56,6 +56,7 @@ def make_store(tmp_path):
         if disk_bytes:
             tiers.append(DiskTier(str(disk_dir or tmp_path / "disk"), disk_bytes,
                                   segment_bytes=kw.pop("segment_bytes", 1 << 20), durable=kw.pop("durable", False)))
+        kw.setdefault("policy", "lru")  # store narratives assert LRU orders; other policies have their own tests
         store = TieredStore(tiers, **kw)
         stores.append(store)
         return store

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from kvstore.errors import InvalidRequest
-from kvstore.policy import LRUPolicy, make_policy
+from kvstore.policies import LRUPolicy, make_policy
 
 
 def insert_chain(policy, *keys: bytes, parent: bytes | None = None) -> None:
@@ -182,3 +182,13 @@ def test_make_policy():
     assert make_policy("lru") is not make_policy("lru")
     with pytest.raises(InvalidRequest, match="lru"):
         make_policy("nope")
+
+
+def test_a_reinserted_key_is_ordered_by_its_new_life_not_a_stale_heap_item():
+    """Removed then re-inserted, a key must not be offered by the heap item of its first life."""
+    policy = LRUPolicy()
+    policy.on_insert(b"k1", None, 1)
+    policy.on_insert(b"k2", None, 1)
+    policy.on_remove(b"k1")
+    policy.on_insert(b"k1", None, 1)  # newest now
+    assert list(policy.victims()) == [b"k2", b"k1"]

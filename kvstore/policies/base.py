@@ -1,4 +1,5 @@
-"""Eviction policies: objects that order one tier's victims. They never touch bytes.
+"""The eviction policy interface and its chain-aware base. Policies order one tier's victims;
+they never touch bytes.
 
 A tier holds blocks of prefix chains. Evicting block i of a chain makes blocks i+1... unreachable
 (lookups stop at the first miss), so a policy only offers *leaves*: blocks with no resident child
@@ -18,7 +19,6 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from kvstore.errors import InvalidRequest
 
 
 @dataclass(slots=True)
@@ -28,7 +28,7 @@ class Entry:
     children: int = 0
     last_access: int = 0
     accesses: int = 0
-    version: int = 0
+    version: int = 0  # the clock at its latest queueing; heap items with another version are stale
 
 
 class EvictionPolicy(ABC):
@@ -146,8 +146,8 @@ class ChainPolicy(EvictionPolicy):
         entry = self._entries[key]
         if entry.children:
             return
-        entry.version += 1
         self._clock += 1
+        entry.version = self._clock  # unique forever: a re-inserted key never matches its old items
         heapq.heappush(self._heap, (self.priority(key, entry), self._clock, key, entry.version))
         if len(self._heap) > 4 * len(self._entries) + 1024:
             self._compact()
@@ -160,23 +160,3 @@ class ChainPolicy(EvictionPolicy):
             if (e := self._entries.get(item[2])) is not None and e.version == item[3] and not e.children
         ]
         heapq.heapify(self._heap)
-
-
-class LRUPolicy(ChainPolicy):
-    """Least recently used leaf first: the tail of the coldest chain goes before its head."""
-
-    name = "lru"
-
-    def priority(self, key: bytes, entry: Entry) -> float:
-        return entry.last_access
-
-
-POLICIES: dict[str, type[EvictionPolicy]] = {LRUPolicy.name: LRUPolicy}
-DEFAULT_POLICY = "lru"
-
-
-def make_policy(name: str) -> EvictionPolicy:
-    try:
-        return POLICIES[name]()
-    except KeyError:
-        raise InvalidRequest(f"unknown eviction policy {name!r}; valid: {', '.join(sorted(POLICIES))}") from None
