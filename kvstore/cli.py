@@ -4,6 +4,7 @@
     kvstore bench   bandwidths and lookup time next to their ceilings (--json for one object)
     kvstore fsck    verify a disk tier directory (--repair to drop bad blocks)
     kvstore replay  token hit rate of a policy on a workload trace (--sweep for a curve)
+    kvstore trace-gen  write a seeded synthetic trace (multi-turn chat or agent sessions)
 """
 
 from __future__ import annotations
@@ -92,6 +93,17 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_trace_gen(args: argparse.Namespace) -> int:
+    from kvstore.synthetic_traces import GENERATORS
+    from kvstore.trace import write_trace
+
+    requests = GENERATORS[args.kind](args.seed)
+    write_trace(args.out, requests)
+    distinct = len({h for r in requests for h in r["hash_ids"]})
+    print(f"wrote {len(requests)} requests ({distinct} distinct blocks) to {args.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvstore", description="Tiered KV-cache store for MLA/DSA models.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -133,6 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--plot", help="with --sweep: write the hit-rate curve to this PNG file")
     rep.add_argument("--json", action="store_true", help="print JSON")
     rep.set_defaults(func=_cmd_replay)
+
+    gen = sub.add_parser("trace-gen", help="write a seeded synthetic trace in the Mooncake format")
+    gen.add_argument("kind", choices=["chat", "agent"], help="multi-turn chat or agent sessions")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--out", required=True, help="JSONL file to write")
+    gen.set_defaults(func=_cmd_trace_gen)
     return parser
 
 
