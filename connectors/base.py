@@ -60,7 +60,8 @@ class LoadHandle(ABC):
 
     @abstractmethod
     def wait(self) -> int:
-        """Return when the whole load has finished; the number of blocks actually loaded."""
+        """Return when the whole load has finished; the number of blocks actually loaded (0 after a
+        failure). May be called any number of times, also after ``LoadFailed``."""
 
 
 class LoadFailed(RuntimeError):
@@ -70,7 +71,8 @@ class LoadFailed(RuntimeError):
 class KVConnector(ABC):
     @abstractmethod
     def lookup(self, request_id: str, block_hashes: Sequence[bytes]) -> ConnectorHit:
-        """Longest servable prefix of ``block_hashes``, leased for this request. Side-effect free
+        """Longest servable prefix of ``block_hashes``, counted from ``block_hashes[0]`` (an engine
+        passes the hashes after its own device hit), leased for this request. Side-effect free
         otherwise; a second call replaces the request's previous lease."""
 
     @abstractmethod
@@ -88,6 +90,11 @@ class KVConnector(ABC):
     @abstractmethod
     def release(self, request_id: str) -> None:
         """End everything the request still holds. Idempotent; safe after a failure."""
+
+    def demote(self, block_hash: bytes, page: int, pool: PageBytes, parent: bytes | None) -> None:
+        """The device tier is about to reuse ``page`` (holding ``block_hash``): keep the block in
+        the store's lower tiers. Copies before returning; by default a one-block ``save``."""
+        self.save("device-eviction", [block_hash], [page], pool, parent)
 
     @abstractmethod
     def flush(self) -> None:

@@ -11,6 +11,18 @@ Model side, one concept per module:
     rope.py      RoPE / YaRN frequencies, interleaved and half-split rotations
     weights.py   HF safetensors loading by tensor name
 
+Engine side (the model above runs unchanged over a paged cache):
+
+    namespace.py       the store Namespace of the bytes this engine produces (namespace_for)
+    page_allocator.py  page ids: reference counts, prefix-cache index, LRU eviction with a hook
+    paged_cache.py     PagePool (the device tier; connectors.base.PageBytes) and PagedSequenceCache
+    sequence.py        Request, RequestStats, RequestOutput, and the Sequence carried through a step
+    block_manager.py   a sequence's pages: device prefix reuse, the connector path, commit, release
+    scheduler.py       admission, chunked prefill, decode, preemption
+    sampling.py        greedy / seeded temperature sampling
+    engine.py          Engine: step() = schedule, run the model, post-process; generate()
+    tokenizer.py       ByteTokenizer for demos
+
 HF transformers is the oracle in the tests; it is not a runtime dependency. The engine imports
 from ``connectors``/``kvstore`` (downwards) and never the other way round.
 """

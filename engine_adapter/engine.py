@@ -1,0 +1,106 @@
+"""The engine loop: the scheduler picks, the model runs, the scheduler post-processes.
+
+    engine = Engine(model, PagePool(model.config, num_pages=256))
+    outputs = engine.generate([prompt_ids, ...], max_new_tokens=32)   # -> [[token ids], ...]
+
+One ``step()`` runs every scheduled sequence through the model with its own forward call (prefill
+chunk, suffix after a prefix hit, or decode: the same call), commits the blocks it completed and
+samples where a sequence reached its last known token. Prefix reuse, the connector and page
+accounting live in ``BlockManager``; admission, chunking and preemption in ``Scheduler``.
+
+The optional ``connector`` (``connectors.base.KVConnector``) serves blocks beyond the device hit,
+receives the blocks the model computes, and (unless the pool already has an ``on_evict`` hook)
+receives device pages about to be reused through ``connector.demote``. The engine knows nothing
+about tokenization or the store's tiers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from collections.abc import Sequence as Seq
+
+import torch
+
+from connectors.base import KVConnector, LoadFailed
+from engine_adapter.block_manager import BlockManager
+from engine_adapter.model import DeepseekForCausalLM
+from engine_adapter.namespace import namespace_for
+from engine_adapter.paged_cache import PagePool
+from engine_adapter.sampling import sample
+from engine_adapter.scheduler import Scheduler, Work
+from engine_adapter.sequence import Request, RequestOutput, Sequence
+
+
+class Engine:
+    def __init__(self, model: DeepseekForCausalLM, pool: PagePool, block_size: int | None = None,
+                 chunk_size: int = 512, max_running: int = 64, model_name: str = "deepseek",
+                 cache_salt: str = "", connector: KVConnector | None = None) -> None:
+        if block_size is not None and block_size != pool.page_size:
+            raise ValueError(f"block_size {block_size} must equal the pool's page_size {pool.page_size}")
+        if model.lm_head.weight.device != pool.device:
+            raise ValueError(f"model on {model.lm_head.weight.device}, pool on {pool.device}: use one device")
+        self.model, self.pool = model, pool
+        self.namespace = namespace_for(model.config, model_name, pool.page_size, cache_salt)
+        self.blocks = BlockManager(pool, self.namespace, model.dtype, connector)
+        if connector is not None and pool.on_evict is None:  # evicted device pages go down a tier
+            pool.on_evict = lambda block_hash, page, parent: connector.demote(block_hash, page, pool, parent)
+        self.scheduler = Scheduler(self.blocks, chunk_size, max_running)
+
+    def add_request(self, request: Request | Seq[int]) -> str:
+        """Queue a request (or bare prompt ids, greedy with defaults); returns its request id."""
+        request = request if isinstance(request, Request) else Request(tuple(request))
+        self.scheduler.add(Sequence(request))
+        return request.request_id
+
+    def step(self) -> list[RequestOutput]:
+        """One engine iteration; returns the requests that finished in it."""
+        work = self.scheduler.schedule()
+        sampled = [self._run(item) for item in work]
+        return self.scheduler.postprocess(work, sampled)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def run(self, requests: Iterable[Request | Seq[int]]) -> list[RequestOutput]:
+        """Add the requests, step until all finish; outputs in request order."""
+        ids = [self.add_request(r) for r in requests]
+        done: dict[str, RequestOutput] = {}
+        while self.has_unfinished:
+            done.update((out.request_id, out) for out in self.step())
+        return [done[i] for i in ids]
+
+    def generate(self, prompts: Iterable[Seq[int]], max_new_tokens: int = 16, temperature: float = 0.0,
+                 seed: int = 0) -> list[list[int]]:
+        """Output token ids for each prompt (request ``i`` is seeded ``seed + i``)."""
+        requests = [Request(tuple(p), max_new_tokens, temperature, seed + i) for i, p in enumerate(prompts)]
+        return [list(out.output_ids) for out in self.run(requests)]
+
+    def check_integrity(self) -> None:
+        """Pool accounting holds, and exactly the running sequences' pages are referenced."""
+        self.pool.check_integrity()
+        expected = [0] * self.pool.num_pages
+        for seq in self.scheduler.running:
+            for page in seq.block_table:
+                expected[page] += 1
+        actual = [self.pool.ref_count(page) for page in range(self.pool.num_pages)]
+        assert actual == expected, "page references do not match the running sequences' block tables"
+
+    def _run(self, item: Work) -> int | None:
+        """Forward ``item``'s tokens; the sampled next token if the sequence reached its end, else None."""
+        seq, count = item
+        start = seq.num_cached_tokens
+        token_ids = torch.tensor(seq.token_ids[start : start + count], device=self.pool.device)
+        positions = torch.arange(start, start + count, device=self.pool.device)
+        try:
+            logits = self.model(token_ids, positions, seq.cache)  # [count, vocab]
+            if seq.load is not None:
+                self.blocks.finish_load(seq)
+        except LoadFailed:
+            self.blocks.abort_load(seq)  # the next step recomputes from the device hit
+            return None
+        seq.stats.computed_prompt_tokens += max(0, min(start + count, seq.num_prompt_tokens) - start)
+        self.blocks.commit(seq)
+        if seq.num_uncomputed_tokens:
+            return None
+        return sample(logits[-1], seq.request.temperature, seq.generator)

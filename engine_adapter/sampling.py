@@ -1,0 +1,17 @@
+"""Next-token choice from one row of logits: greedy at temperature 0, else seeded sampling.
+
+Sampling runs on the CPU with the request's own ``torch.Generator``, so a request's tokens depend
+only on its seed and its logits, never on what else runs in the same step or on the device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def sample(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> int:
+    """logits [vocab] -> a token id."""
+    if temperature == 0:
+        return int(logits.argmax())
+    probs = (logits.float().cpu() / temperature).softmax(dim=-1)  # [vocab]
+    return int(torch.multinomial(probs, 1, generator=generator))

@@ -1,0 +1,97 @@
+"""Which sequences run in the next step, and with how many tokens.
+
+A step has a budget of ``chunk_size`` tokens. Running sequences come first, in admission order:
+each gets ``min(uncomputed tokens, budget left)`` (1 for a decoding sequence, a chunk of its prompt
+for a prefilling one, so a long prompt is prefilled over several steps). Then waiting sequences
+are admitted first come, first served while budget, ``max_running`` and free pages allow; the
+head of the queue is never skipped.
+
+When a running sequence needs a page and none is left, the most recently admitted sequence is
+preempted: its pages are released (the registered ones stay cached, so readmission finds most of
+them again) and it goes back to the front of the queue to recompute what it lost.
+
+This module knows sequences and token counts; pages go through the ``BlockManager``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import NamedTuple
+
+from engine_adapter.block_manager import BlockManager
+from engine_adapter.sequence import RequestOutput, Sequence
+
+
+class Work(NamedTuple):
+    seq: Sequence
+    num_tokens: int  # positions [seq.num_cached_tokens, + num_tokens) run this step
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, chunk_size: int, max_running: int) -> None:
+        if chunk_size <= 0 or max_running <= 0:
+            raise ValueError(f"chunk_size and max_running must be positive, got {chunk_size}, {max_running}")
+        self.blocks, self.chunk_size, self.max_running = blocks, chunk_size, max_running
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        longest = seq.num_prompt_tokens + seq.request.max_new_tokens
+        if self.blocks.pages_for(longest) > self.blocks.pool.num_pages:
+            raise ValueError(f"{seq.request_id} may reach {longest} tokens = {self.blocks.pages_for(longest)} "
+                             f"pages; the pool has {self.blocks.pool.num_pages}")
+        self.waiting.append(seq)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[Work]:
+        budget, work = self.chunk_size, []
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            count = min(seq.num_uncomputed_tokens, budget)
+            if seq in self.running and self._reserve(seq, count):
+                work.append(Work(seq, count))
+                budget -= count
+        while budget and self.waiting and len(self.running) < self.max_running:
+            seq = self.waiting[0]
+            if not self.blocks.admit(seq):
+                break
+            self.running.append(self.waiting.popleft())
+            count = min(seq.num_uncomputed_tokens, budget)
+            work.append(Work(seq, count))
+            budget -= count
+        return work
+
+    def postprocess(self, work: list[Work], sampled: list[int | None]) -> list[RequestOutput]:
+        """Append each sampled token (None: the sequence produced none this step); finish sequences."""
+        finished = []
+        for (seq, _), token in zip(work, sampled):
+            if token is None:
+                continue
+            seq.token_ids.append(token)
+            if seq.stats.ttft_s is None:
+                seq.stats.ttft_s = time.perf_counter() - seq.arrival
+            if seq.is_finished:
+                self.running.remove(seq)
+                self.blocks.free(seq)
+                finished.append(seq.output())
+        return finished
+
+    def _reserve(self, seq: Sequence, count: int) -> bool:
+        """Pages for ``count`` more tokens of ``seq``, preempting from the back; False if ``seq`` itself went."""
+        while not self.blocks.reserve(seq, count):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.stats.preemptions += 1
+        self.waiting.appendleft(seq)

@@ -1,0 +1,179 @@
+"""The engine end to end on CPU: cold runs, device prefix reuse, chunking, eviction, preemption."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_adapter.engine import Engine
+from engine_adapter.model import DeepseekForCausalLM
+from engine_adapter.paged_cache import PagePool
+from engine_adapter.sequence import Request
+from engine_adapter.tokenizer import ByteTokenizer
+from kvstore.keys import namespace_hashes
+from tests.engine_adapter.engine_helpers import Recorder, prompt_ids, reference_greedy
+from tests.engine_adapter.hf_oracle import rel_err
+
+P = 8  # tokens per block / page
+NEW = 4  # tokens generated per request
+
+
+def make_engine(model, num_pages: int = 32, evicted: list | None = None, **kw) -> tuple[Engine, Recorder]:
+    hook = None if evicted is None else (lambda h, page, parent: evicted.append((h, page, parent)))
+    recorder = Recorder(model)
+    return Engine(recorder, PagePool(model.config, num_pages, page_size=P, on_evict=hook), **kw), recorder
+
+
+def assert_matches_cold(model, recorder: Recorder, prompt: list[int], outputs, computed_from: int,
+                        chunk: int | None = None) -> None:
+    """Greedy tokens equal a cold run's; so do the logits of every position the engine computed."""
+    ref_tokens, ref_logits = reference_greedy(model, prompt, NEW, chunk)
+    assert list(outputs) == ref_tokens
+    positions = range(computed_from, len(prompt) + NEW - 1)
+    assert rel_err(recorder.logits(positions), ref_logits[computed_from:]) < 1e-5
+
+
+@pytest.mark.parametrize("pair_name", ["v3", "v32"])
+def test_cold_run_equals_reference(pair_name, request):
+    model = request.getfixturevalue(pair_name).ours
+    engine, recorder = make_engine(model)
+    prompt = prompt_ids(29)
+    [out] = engine.run([Request(prompt, NEW)])
+    assert_matches_cold(model, recorder, prompt, out.output_ids, computed_from=0)
+    assert (out.stats.device_hit_tokens, out.stats.computed_prompt_tokens) == (0, 29)
+    assert out.stats.ttft_s > 0
+    engine.check_integrity()
+    assert engine.pool.num_free + engine.pool.num_cached == engine.pool.num_pages  # idle: nothing referenced
+
+
+@pytest.mark.parametrize("pair_name", ["v3", "v32"])
+def test_a_cached_prefix_is_reused_and_only_the_suffix_computed(pair_name, request):
+    """V3.2: the 48-token hit is three times index_topk, so its indexer keys must come back intact."""
+    model = request.getfixturevalue(pair_name).ours
+    engine, recorder = make_engine(model)
+    shared = prompt_ids(50, seed=2)
+    engine.run([Request(shared, NEW)])
+    second = shared + prompt_ids(11, seed=3)  # the 50 shared tokens hold 6 full blocks
+    recorder.rows.clear()
+    [out] = engine.run([Request(second, NEW)])
+    assert out.stats.device_hit_tokens == 48 and out.stats.computed_prompt_tokens == len(second) - 48
+    assert min(recorder.rows) == 48  # nothing before the suffix ran
+    assert_matches_cold(model, recorder, second, out.output_ids, computed_from=48)
+    engine.check_integrity()
+
+
+def test_the_same_prompt_again_reuses_all_but_the_last_token(v3):
+    engine, _ = make_engine(v3.ours)
+    prompt = prompt_ids(32, seed=4)  # exactly 4 blocks
+    first, again = engine.run([Request(prompt, NEW)]), engine.run([Request(prompt, NEW)])
+    assert again[0].output_ids == first[0].output_ids
+    assert again[0].stats.device_hit_tokens == 24 and again[0].stats.computed_prompt_tokens == 8
+
+
+def test_decoded_blocks_are_registered_too(v3):
+    """A follow-up turn that contains the first turn's answer reuses the answer's blocks."""
+    engine, _ = make_engine(v3.ours)
+    prompt = prompt_ids(13, seed=5)
+    [out] = engine.run([Request(prompt, 12)])  # 25 tokens: 3 full blocks, the third partly generated
+    follow_up = prompt + list(out.output_ids) + prompt_ids(6, seed=6)
+    [second] = engine.run([Request(follow_up, NEW)])
+    assert second.stats.device_hit_tokens == 24
+
+
+@pytest.mark.parametrize("pair_name", ["v3", "v32"])
+def test_chunked_prefill_equals_unchunked(pair_name, request):
+    model = request.getfixturevalue(pair_name).ours
+    prompt = prompt_ids(45, seed=7)
+    whole, _ = make_engine(model, chunk_size=512)
+    chunked, recorder = make_engine(model, chunk_size=5)
+    [out] = chunked.run([Request(prompt, NEW)])
+    assert list(out.output_ids) == whole.generate([prompt], max_new_tokens=NEW)[0]
+    # Logits against a reference chunked the same way: a chunk boundary changes the float32
+    # summation order of the entries a chunk computes, and an entry near a bf16 rounding boundary
+    # may then round the other way (one bf16 ulp is 2**-8 relative), which later positions see.
+    # Against the unchunked run the logits differ by up to ~5e-5 relative for that reason alone.
+    assert_matches_cold(model, recorder, prompt, out.output_ids, computed_from=0, chunk=5)
+    chunked.check_integrity()
+
+
+def test_batched_requests_equal_one_at_a_time(v32):
+    prompts = [prompt_ids(n, seed=n) for n in (9, 30, 17)]
+    alone = [make_engine(v32.ours)[0].generate([p], max_new_tokens=NEW)[0] for p in prompts]
+    engine, _ = make_engine(v32.ours, chunk_size=12)
+    assert engine.generate(prompts, max_new_tokens=NEW) == alone
+    engine.check_integrity()
+
+
+def test_eviction_hook_sees_each_block_with_its_parent_tail_first(v3):
+    evicted: list = []
+    engine, _ = make_engine(v3.ours, num_pages=6, evicted=evicted)
+    first = prompt_ids(33, seed=8)  # blocks 0..3 full and registered, page 4 for the rest
+    engine.run([Request(first, NEW)])
+    assert evicted == [] and engine.pool.num_cached == 4
+    engine.run([Request(prompt_ids(30, seed=9), NEW)])  # 5 pages: 2 free, then 3 evicted
+    hashes = namespace_hashes(engine.namespace, first)
+    assert evicted == [(hashes[3], 3, hashes[2]), (hashes[2], 2, hashes[1]), (hashes[1], 1, hashes[0])]
+    [again] = engine.run([Request(first, NEW)])
+    assert again.stats.device_hit_tokens == 8  # only the head survived
+    engine.check_integrity()
+
+
+def test_preemption_when_pages_run_out_gives_the_same_tokens(v3):
+    prompts = [prompt_ids(14, seed=10), prompt_ids(15, seed=11)]
+    alone = [make_engine(v3.ours)[0].generate([p], max_new_tokens=12)[0] for p in prompts]
+    engine, _ = make_engine(v3.ours, num_pages=5)  # both admitted (2 pages each), both grow to 4
+    outs = engine.run([Request(p, 12) for p in prompts])
+    assert [list(o.output_ids) for o in outs] == alone
+    assert sum(o.stats.preemptions for o in outs) >= 1
+    engine.check_integrity()
+
+
+def test_temperature_sampling_is_seeded_per_request(v3):
+    prompt = prompt_ids(10, seed=12)
+    engine, _ = make_engine(v3.ours)
+    runs = [engine.run([Request(prompt, 8, temperature=1.0, seed=s)])[0].output_ids for s in (1, 1, 2)]
+    assert runs[0] == runs[1] != runs[2]
+    batched = engine.run([Request(prompt_ids(20), 8, temperature=1.0, seed=7), Request(prompt, 8, 1.0, seed=1)])
+    assert batched[1].output_ids == runs[0]  # other requests in the step do not change a request's draws
+
+
+def test_stop_tokens_end_a_request(v3):
+    engine, _ = make_engine(v3.ours)
+    prompt = prompt_ids(10, seed=13)
+    [free] = engine.run([Request(prompt, 6)])
+    [stopped] = engine.run([Request(prompt, 6, stop_token_ids=(free.output_ids[2],))])
+    assert stopped.output_ids == free.output_ids[: free.output_ids.index(free.output_ids[2]) + 1]
+
+
+def test_caller_mistakes(v3):
+    engine, _ = make_engine(v3.ours, num_pages=4)
+    with pytest.raises(ValueError, match="pages; the pool has 4"):
+        engine.add_request(Request(prompt_ids(30), 10))
+    with pytest.raises(ValueError, match="at least one token"):
+        Request(())
+    with pytest.raises(ValueError, match="temperature"):
+        Request((1,), temperature=-1)
+    with pytest.raises(ValueError, match="block_size 64 must equal the pool's page_size 8"):
+        Engine(v3.ours, PagePool(v3.ours.config, 4, page_size=8), block_size=64)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_reuse_gives_the_cold_tokens(v32):
+    model = DeepseekForCausalLM.from_pretrained(v32.directory, dtype=torch.float32, device="cuda")
+    prompt = prompt_ids(45, seed=14)
+    cold = Engine(model, PagePool(model.config, 32, page_size=P, device="cuda")).generate([prompt], NEW)
+    engine = Engine(model, PagePool(model.config, 32, page_size=P, device="cuda"))
+    engine.run([Request(prompt[:40], NEW)])
+    [warm] = engine.run([Request(prompt, NEW)])
+    assert warm.stats.device_hit_tokens == 40 and [list(warm.output_ids)] == cold
+    assert engine.pool.layer_page_bytes(0, 0).is_cuda
+    engine.check_integrity()
+
+
+def test_byte_tokenizer_round_trip(v3):
+    tok = ByteTokenizer()
+    ids = tok.encode("héllo", add_bos=True)
+    assert ids[0] == tok.BOS and tok.decode(ids + [tok.EOS]) == "héllo"
+    engine, _ = make_engine(v3.ours)
+    [out] = engine.generate([tok.encode("a prompt for the demo")], max_new_tokens=3)
+    assert len(out) == 3 and isinstance(tok.decode(out), str)

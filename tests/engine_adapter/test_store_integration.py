@@ -1,0 +1,89 @@
+"""The whole path: engine -> StoreConnector -> TieredStore (real host shm + disk tiers).
+
+Engine A computes a prompt and saves its blocks into the store. Engine B (a fresh device pool,
+as in another process) gets the prefix from the host tier; engine C, over a store reopened on
+the same directory (host tier empty, as after a restart), gets it from disk. Every run computes
+only the suffix and matches a cold run; a corrupt block on disk turns into recomputation.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from connectors.store_connector import StoreConnector
+from engine_adapter.engine import Engine
+from engine_adapter.namespace import namespace_for
+from engine_adapter.paged_cache import PagePool
+from engine_adapter.sequence import Request
+from kvstore.keys import namespace_hashes
+from kvstore.store import TieredStore
+from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.host import HostTier
+from kvstore.tiers.segment import HEADER_BYTES
+from tests.engine_adapter.engine_helpers import Recorder, prompt_ids
+from tests.engine_adapter.test_engine import NEW, P, assert_matches_cold
+
+
+def open_store(tmp_path, host: bool = True) -> TieredStore:
+    tiers = [HostTier(8 << 20, page_bytes=1 << 20, shm_dir=str(tmp_path), prefault=False)] if host else []
+    return TieredStore(tiers + [DiskTier(str(tmp_path / "disk"), 64 << 20)], background_writes=False)
+
+
+def engine_over(model, store):
+    connector = StoreConnector(store, namespace_for(model.config, "deepseek", P))
+    recorder = Recorder(model)
+    return Engine(recorder, PagePool(model.config, 32, page_size=P), connector=connector), recorder, connector
+
+
+@pytest.mark.parametrize("pair_name", ["v3", "v32"])
+def test_a_prefix_from_host_then_from_disk_gives_the_cold_outputs(pair_name, request, tmp_path):
+    model = request.getfixturevalue(pair_name).ours
+    prompt = prompt_ids(45, seed=31)  # 5 reusable blocks of 8 tokens; V3.2: a 40-token hit > index_topk
+    store = open_store(tmp_path)
+    producer, _, connector = engine_over(model, store)
+    producer.run([Request(prompt, NEW)])
+    connector.flush()
+    assert store.stats().stored_blocks >= 5
+
+    consumer, recorder, _ = engine_over(model, store)
+    [out] = consumer.run([Request(prompt, NEW)])
+    assert (out.stats.connector_hit_tokens, out.stats.device_hit_tokens, out.stats.computed_prompt_tokens) == (40, 0, 5)
+    assert store.stats().tier("host").loaded_blocks >= 5
+    assert_matches_cold(model, recorder, prompt, out.output_ids, computed_from=40)
+    store.flush()
+    store.check_integrity()
+    store.close()
+
+    store = open_store(tmp_path)  # a restart: the host tier starts empty, the disk tier remembers
+    restarted, recorder, _ = engine_over(model, store)
+    [out] = restarted.run([Request(prompt, NEW)])
+    assert out.stats.connector_hit_tokens == 40 and out.stats.computed_prompt_tokens == 5
+    assert store.stats().tier("disk").loaded_blocks >= 5
+    assert_matches_cold(model, recorder, prompt, out.output_ids, computed_from=40)
+    store.close()
+
+
+def test_a_corrupt_block_on_disk_is_recomputed_not_reused(v3, tmp_path):
+    model = v3.ours
+    prompt = prompt_ids(45, seed=32)
+    store = open_store(tmp_path, host=False)
+    producer, _, connector = engine_over(model, store)
+    producer.run([Request(prompt, NEW)])
+    connector.flush()
+    disk = store.tiers[0]
+    key = connector.ns_id + namespace_hashes(producer.namespace, prompt)[2]
+    entry = disk._index[key]
+    with open(os.path.join(disk.path, "segments", f"{entry.segment:08d}.seg"), "r+b") as f:
+        f.seek(entry.offset + HEADER_BYTES + 100)
+        byte = f.read(1)
+        f.seek(entry.offset + HEADER_BYTES + 100)
+        f.write(bytes([byte[0] ^ 0x40]))
+    consumer, recorder, _ = engine_over(model, store)
+    [out] = consumer.run([Request(prompt, NEW)])
+    assert out.stats.connector_hit_tokens < 40 or out.stats.load_failures == 1
+    assert out.stats.computed_prompt_tokens > 5, "the corrupt block and what follows were recomputed"
+    assert_matches_cold(model, recorder, prompt, out.output_ids, computed_from=len(prompt) - out.stats.computed_prompt_tokens)
+    assert disk.stats().checksum_failures == 1
+    store.close()
