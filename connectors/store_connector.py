@@ -82,8 +82,10 @@ class _LayerwiseLoad(LoadHandle):
 
 
 class StoreConnector(KVConnector):
-    def __init__(self, store: TieredStore, namespace: Namespace, lease_ttl_s: float = DEFAULT_LEASE_TTL_S):
+    def __init__(self, store: TieredStore, namespace: Namespace, lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
+                 read_only: bool = False):
         self.store = store
+        self.read_only = read_only  # load hits but never save or demote (consumer-only engines, A/B runs)
         self.ns_id = store.register_namespace(namespace)
         self.spec = store.spec(self.ns_id)
         self.lease_ttl_s = lease_ttl_s
@@ -116,7 +118,7 @@ class StoreConnector(KVConnector):
 
     def save(self, request_id: str, block_hashes: Sequence[bytes], pages: Sequence[int], pool: PageBytes,
              parent: bytes | None) -> None:
-        if not block_hashes:
+        if not block_hashes or self.read_only:
             return
         payloads = []
         for page in pages[: len(block_hashes)]:

@@ -1,10 +1,12 @@
 """The ``kvstore`` command. Each subcommand parses flags and calls one function; no logic here.
 
-    kvstore run     the main job with embedded defaults (for now: the store walkthrough)
+    kvstore run     the main job with embedded defaults (the engine demo over the store)
+    kvstore demo    the same, with --quick, --json and sizes
     kvstore bench   bandwidths and lookup time next to their ceilings (--json for one object)
     kvstore fsck    verify a disk tier directory (--repair to drop bad blocks)
     kvstore replay  token hit rate of a policy on a workload trace (--sweep for a curve)
     kvstore trace-gen  write a seeded synthetic trace (multi-turn chat or agent sessions)
+    kvstore serve   gRPC sidecar over one store (host + disk tiers)
 """
 
 from __future__ import annotations
@@ -14,12 +16,12 @@ import json
 import logging
 import os
 import sys
-import tempfile
 from typing import Callable
 
-from kvstore.config import DiskConfig, HostConfig, StoreConfig, default_data_dir, parse_size
+from kvstore.config import parse_size
 from kvstore.errors import InvalidRequest, KVStoreError
 from kvstore.policies import DEFAULT_POLICY, POLICIES
+from kvstore.service.cli import add_serve_parser  # light: grpc is imported only when serve runs
 from kvstore.store import WRITE_POLICIES
 
 
@@ -31,18 +33,24 @@ def progress_bars(label: str, total: int) -> Callable[[int], None]:
     return bar.update
 
 
-def _cmd_run(args: argparse.Namespace) -> int:
-    from kvstore.walkthrough import run_walkthrough
+def _demo_config(args: argparse.Namespace):
+    from engine_adapter.demo import DemoConfig
 
-    data_dir = args.data_dir or (tempfile.mkdtemp(prefix="kvstore-run-") if args.ephemeral else default_data_dir())
-    config = StoreConfig.from_env()
-    config.host = HostConfig(capacity_bytes=parse_size(args.host_capacity))
-    config.disk = DiskConfig(path=os.path.join(data_dir, "disk"), capacity_bytes=parse_size(args.disk_capacity))
-    print(f"kvstore run: store in {config.disk.path}")
-    reports = run_walkthrough(config, print)
-    ok = all(r.verified for r in reports)
-    print("every reused block equals a cold computation" if ok else "MISMATCH: a reused block differs")
-    return 0 if ok else 1
+    sizes = dict(host_capacity=parse_size(args.host_capacity), disk_capacity=parse_size(args.disk_capacity),
+                 data_dir=args.data_dir, v32=args.v32)
+    if args.long_prompt_tokens:
+        sizes["long_prompt_tokens"] = args.long_prompt_tokens
+    return DemoConfig.quick(**sizes) if args.quick else DemoConfig(**sizes)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from engine_adapter.demo import run_demo  # the CLI is the one shell over every layer
+
+    say = (lambda s: print(s, file=sys.stderr)) if args.json else print
+    result = run_demo(_demo_config(args), say)
+    if args.json:
+        print(json.dumps(result, indent=2, default=str))
+    return 0 if result["outputs_identical"] else 1
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -109,12 +117,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    run = sub.add_parser("run", help="the main job with embedded defaults (store walkthrough)")
-    run.add_argument("--data-dir", help=f"where the disk tier lives (default {default_data_dir()})")
-    run.add_argument("--ephemeral", action="store_true", help="use a fresh temporary data directory")
-    run.add_argument("--host-capacity", default="128MiB", help="host tier size (default 128MiB)")
-    run.add_argument("--disk-capacity", default="2GiB", help="disk tier size (default 2GiB)")
-    run.set_defaults(func=_cmd_run)
+    for name, text in (("run", "the main job with embedded defaults: the engine demo over the store"),
+                       ("demo", "bundled engine over the store: multi-turn chat and long-prompt TTFT")):
+        demo = sub.add_parser(name, help=text)
+        demo.add_argument("--json", action="store_true", help="print one JSON object (the table goes to stderr)")
+        demo.add_argument("--quick", action="store_true", help="a tiny model and short prompts (seconds)")
+        demo.add_argument("--v32", action="store_true", help="DeepSeek-V3.2-shaped model with the DSA indexer")
+        demo.add_argument("--long-prompt-tokens", type=int, help="long-prompt case length (default 4096)")
+        demo.add_argument("--data-dir", help="store directory (default: a fresh temporary directory)")
+        demo.add_argument("--host-capacity", default="512MiB", help="host tier size (default 512MiB)")
+        demo.add_argument("--disk-capacity", default="4GiB", help="disk tier size (default 4GiB)")
+        demo.set_defaults(func=_cmd_demo)
 
     bench = sub.add_parser("bench", help="bandwidth and lookup benchmark with ceilings from the same run")
     bench.add_argument("--json", action="store_true", help="print one JSON object")
@@ -151,6 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--out", required=True, help="JSONL file to write")
     gen.set_defaults(func=_cmd_trace_gen)
+
+    add_serve_parser(sub)
     return parser
 
 

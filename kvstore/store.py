@@ -117,6 +117,8 @@ class TieredStore(PlacementMixin):
     def lookup(self, ns_id: bytes, block_hashes: Sequence[bytes], lease_ttl_s: float | None = None) -> LookupResult:
         """Longest contiguous run of present blocks; changes nothing but the optional lease."""
         spec = self.spec(ns_id)
+        if lease_ttl_s is not None and not lease_ttl_s > 0:
+            raise InvalidRequest(f"lease_ttl_s must be positive (seconds), got {lease_ttl_s}")
         with self._lock:
             self._expire_leases()
             try:
@@ -220,7 +222,8 @@ class TieredStore(PlacementMixin):
                 if tier.read(key, dst, first_layer, num_layers):
                     with self._lock:
                         self._policies[t].on_access(key)
-                        self._counters[f"loaded_blocks:{t}"] += 1
+                        if first_layer == 0:  # a layer-wise load counts its block once, at layer 0
+                            self._counters[f"loaded_blocks:{t}"] += 1
                     if t and self.promote_on_hit and first_layer == 0:
                         self._promote(key, dst, tier.meta(key))
                     return t

@@ -119,3 +119,20 @@ def test_lookup_replaces_the_previous_lease_and_release_is_idempotent(tmp_path, 
     assert connector.lookup("r", [namespace_hashes(NS, np.arange(100, 104))[0]]).blocks == 0
     connector.close()
     store.close()
+
+
+def test_a_read_only_connector_loads_but_never_saves(tmp_path, hashes):
+    store = make_store(tmp_path)
+    writer = StoreConnector(store, NS)
+    writer.save("a", hashes[:2], [0, 1], BytePool(2, seed=5), parent=None)
+    writer.flush()
+    reader = StoreConnector(store, NS, read_only=True)
+    reader.save("b", hashes[2:4], [0, 1], BytePool(2, seed=6), parent=hashes[1])
+    reader.demote(hashes[4], 0, BytePool(1, seed=7), parent=hashes[3])
+    reader.flush()
+    assert store.stats().stored_blocks == 2
+    hit = reader.lookup("c", hashes)
+    assert hit.blocks == 2 and reader.start_load(hit, hashes, [0, 1], BytePool(2)).wait() == 2
+    for c in (writer, reader):
+        c.close()
+    store.close()

@@ -87,3 +87,37 @@ def test_a_corrupt_block_on_disk_is_recomputed_not_reused(v3, tmp_path):
     assert_matches_cold(model, recorder, prompt, out.output_ids, computed_from=len(prompt) - out.stats.computed_prompt_tokens)
     assert disk.stats().checksum_failures == 1
     store.close()
+
+
+def test_a_store_that_dropped_the_indexer_keys_is_a_miss_never_a_partial_hit(v32, tmp_path):
+    """V3.2 blocks carry the indexer keys as a component of the same block. A store that kept
+    only the latents would either write blocks of the wrong size (refused) or write them under
+    another format's namespace (a different key space): both end as a miss for a V3.2 engine."""
+    from dataclasses import replace
+
+    import numpy as np
+
+    from kvstore.errors import InvalidRequest
+    from kvstore.layout import BlockSpec
+
+    model = v32.ours
+    prompt = prompt_ids(45, seed=33)
+    store = open_store(tmp_path)
+    full_ns = namespace_for(model.config, "deepseek", P)
+    assert full_ns.components == ("mla_bf16", "indexer_bf16")
+    latents_only = replace(full_ns, components=("mla_bf16",))
+    assert latents_only.id != full_ns.id
+
+    hashes = namespace_hashes(full_ns, prompt)
+    ns_id = store.register_namespace(full_ns)
+    latent_bytes = BlockSpec.of(latents_only).block_bytes
+    with pytest.raises(InvalidRequest, match="expected exactly"):
+        store.put(ns_id, hashes[:1], [np.zeros(latent_bytes, np.uint8)])  # incomplete block: refused
+
+    dropped = StoreConnector(store, latents_only)  # what an indexer-dropping store would hold
+    store.put(dropped.ns_id, namespace_hashes(latents_only, prompt), [np.zeros(latent_bytes, np.uint8)] * 5)
+    consumer, recorder, _ = engine_over(model, store)
+    [out] = consumer.run([Request(prompt, NEW)])
+    assert out.stats.connector_hit_tokens == 0 and out.stats.computed_prompt_tokens == 45
+    assert_matches_cold(model, recorder, prompt, out.output_ids, computed_from=0)
+    store.close()

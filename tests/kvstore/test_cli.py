@@ -16,14 +16,14 @@ def kvstore(*args, env=None, timeout=180):
                           timeout=timeout, env=environment)
 
 
-def test_run_serves_reuse_verified_and_survives_restart(tmp_path):
-    done = kvstore("run", "--data-dir", str(tmp_path), "--host-capacity", "48MiB", "--disk-capacity", "1GiB",
-                   env={"KVSTORE_HOST_CAPACITY": "1"})  # flags win over the environment
+def test_run_is_the_engine_demo_and_reports_json(tmp_path):
+    done = kvstore("run", "--quick", "--json", "--data-dir", str(tmp_path))
     assert done.returncode == 0, done.stderr
-    out = done.stdout
-    assert "every reused block equals a cold computation" in out
-    assert "disk" in out.split("restart:")[1], "after restart the hit must come from the disk tier"
-    assert (tmp_path / "disk" / "segments").is_dir() and not list((tmp_path / "disk").glob("*.corrupt-*"))
+    result = json.loads(done.stdout)
+    assert result["outputs_identical"] is True and result["prefill_tokens_reused"] > 0
+    for key in ("prefill_tokens_computed", "ttft_cold_s", "ttft_hit_s", "ttft_resident_s", "model_config"):
+        assert key in result
+    assert "same as cold" in done.stderr  # the human table goes to stderr with --json
     check = kvstore("fsck", str(tmp_path / "disk"), "--json")
     assert check.returncode == 0 and json.loads(check.stdout)["clean"] is True
 
@@ -48,7 +48,7 @@ def test_bench_table_is_human_readable(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (("bench", "--blocks", "0"), "must be positive"),
-    (("run", "--host-capacity", "lots"), "cannot read 'lots' as a size"),
+    (("demo", "--quick", "--host-capacity", "lots"), "cannot read 'lots' as a size"),
 ])
 def test_bad_flags_give_a_clear_error_and_exit_2(args, message):
     done = kvstore(*args)

@@ -222,3 +222,12 @@ def test_a_malformed_hash_after_a_valid_hit_is_still_refused(make_store, namespa
     with pytest.raises(InvalidRequest, match="16-byte digests"):
         store.lookup(ns_id, [chain[0], chain[1], bad])
     assert store.lookup(ns_id, chain[:2]).hit_blocks == 2
+
+
+@pytest.mark.parametrize("ttl", [0, -5.0])
+def test_a_lease_ttl_must_be_positive(make_store, namespace, chain, ttl):
+    store = make_store(background_writes=False)
+    ns_id = store.register_namespace(namespace)
+    with pytest.raises(InvalidRequest, match="lease_ttl_s must be positive"):
+        store.lookup(ns_id, chain, lease_ttl_s=ttl)
+    assert store.stats().leases_active == 0

@@ -1,0 +1,81 @@
+"""Block payloads <-> ordered chunks, the unit a payload crosses the wire in.
+
+A call's payloads are one byte stream cut into chunks of at most ``chunk_bytes``; a chunk never
+spans two blocks and names its place::
+
+    blocks:  | block 0: block_bytes            | block 1: block_bytes            | ...
+    chunks:  | (0, 0) | (0, c) | ... | (0, k*c) | (1, 0) | (1, c) | ...
+             (block_index, offset): chunks arrive in exactly this order
+
+Both ends use this module: the server cuts Get payloads and assembles Put payloads, the client
+the other way round. It knows byte positions only, nothing about what the bytes mean.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from kvstore.errors import InvalidRequest
+from kvstore.service.limits import LimitExceeded
+
+
+def iter_chunks(payloads: Sequence[np.ndarray], chunk_bytes: int) -> Iterator[tuple[int, int, bytes]]:
+    """``(block_index, offset, data)`` for every chunk of ``payloads`` (flat uint8 views), in order."""
+    for index, payload in enumerate(payloads):
+        for offset in range(0, payload.nbytes, chunk_bytes):
+            yield index, offset, payload[offset : offset + chunk_bytes].tobytes()
+
+
+def check_block_bytes(declared: int, expected: int, what: str, num_blocks: int) -> None:
+    """The size a caller declared for its ``num_blocks`` payloads or buffers must be the block size."""
+    if num_blocks and declared != expected:
+        raise InvalidRequest(f"{what} has {declared} bytes, expected exactly {expected}")
+
+
+class BlockAssembler:
+    """Fills ``num_blocks`` payloads of ``block_bytes`` from chunks arriving in order.
+
+    ``buffers`` (flat writable uint8 views) receive the bytes; without them each block's buffer is
+    allocated when its first chunk arrives. ``finish`` returns the buffers once every byte is in,
+    and raises ``InvalidRequest`` for a stream that ended early.
+    """
+
+    def __init__(self, num_blocks: int, block_bytes: int, max_chunk_bytes: int,
+                 buffers: Sequence[np.ndarray] | None = None, what: str = "put stream"):
+        self.num_blocks = num_blocks
+        self.block_bytes = block_bytes
+        self.max_chunk_bytes = max_chunk_bytes
+        self.what = what
+        self.received = 0
+        self._buffers = list(buffers) if buffers is not None else []
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_blocks * self.block_bytes
+
+    def add(self, block_index: int, offset: int, data: bytes) -> None:
+        if len(data) > self.max_chunk_bytes:
+            raise LimitExceeded(f"a chunk of {len(data)} bytes exceeds max_chunk_bytes={self.max_chunk_bytes}")
+        expected = divmod(self.received, self.block_bytes)
+        if (block_index, offset) != expected:
+            raise InvalidRequest(
+                f"{self.what}: chunk at block {block_index} offset {offset} is out of place; expected block "
+                f"{expected[0]} offset {expected[1]} (chunks come in order; blocks are {self.block_bytes} bytes)")
+        if block_index >= self.num_blocks or offset + len(data) > self.block_bytes:
+            raise InvalidRequest(
+                f"{self.what}: chunk at block {block_index} offset {offset} of {len(data)} bytes runs past the "
+                f"declared {self.num_blocks} blocks of {self.block_bytes} bytes")
+        if block_index == len(self._buffers):
+            self._buffers.append(np.empty(self.block_bytes, np.uint8))
+        self._buffers[block_index][offset : offset + len(data)] = np.frombuffer(data, np.uint8)
+        self.received += len(data)
+
+    def finish(self) -> list[np.ndarray]:
+        if self.received != self.total_bytes:
+            block, offset = divmod(self.received, self.block_bytes)
+            raise InvalidRequest(
+                f"{self.what} ended early: {self.received} of {self.total_bytes} bytes arrived (next expected: "
+                f"block {block} offset {offset})")
+        return self._buffers[: self.num_blocks]

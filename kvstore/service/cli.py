@@ -1,0 +1,79 @@
+"""The ``kvstore serve`` flags and their handler (also runnable as ``python -m kvstore.service``).
+
+    kvstore serve [--address HOST:PORT|unix:PATH] [--data-dir DIR] [--host-capacity SIZE]
+                  [--disk-capacity SIZE] [--shutdown-grace-s S]
+
+Flags override ``KVSTORE_*`` variables (kvstore.config, kvstore.service.config), which override
+the embedded defaults: 127.0.0.1:50551, the disk tier under ~/.local/share/kvstore/disk, auto
+sizes (a quarter of available memory for the host tier, half the free disk for the disk tier).
+Prints one line, ``kvstore serve: listening on ADDRESS``, once it accepts calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from dataclasses import replace
+
+from kvstore.config import DiskConfig, HostConfig, StoreConfig, default_data_dir, parse_size
+from kvstore.errors import KVStoreError
+from kvstore.service.config import DEFAULT_ADDRESS, ServeConfig
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--address", help=f"HOST:PORT (port 0: any free one) or unix:PATH (default {DEFAULT_ADDRESS})")
+    parser.add_argument("--data-dir", help=f"the disk tier lives in DIR/disk (default {default_data_dir()})")
+    parser.add_argument("--host-capacity", help="host tier size, e.g. 8GiB; 0 disables it (default: auto)")
+    parser.add_argument("--disk-capacity", help="disk tier size, e.g. 200GiB; 0 disables it (default: auto)")
+    parser.add_argument("--shutdown-grace-s", type=float, help="seconds in-flight calls get after SIGTERM (default 10)")
+    parser.set_defaults(func=cmd_serve)
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    """Add ``serve`` to the ``kvstore`` command's subparsers."""
+    parser = subparsers.add_parser("serve", help="gRPC sidecar over one store (host and disk tiers)")
+    add_serve_arguments(parser)
+    return parser
+
+
+def store_config(args: argparse.Namespace) -> StoreConfig:
+    """``StoreConfig.from_env`` with the tier flags applied on top (a size of 0 disables a tier)."""
+    config = StoreConfig.from_env()
+    host, disk = config.host or HostConfig(), config.disk or DiskConfig()
+    if args.data_dir:
+        disk.path = os.path.join(args.data_dir, "disk")
+    if args.host_capacity is not None:
+        host.capacity_bytes = parse_size(args.host_capacity)
+    if args.disk_capacity is not None:
+        disk.capacity_bytes = parse_size(args.disk_capacity)
+    return replace(config, host=None if host.capacity_bytes == 0 else host,
+                   disk=None if disk.capacity_bytes == 0 else disk)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kvstore.service.server import serve  # grpc loads only for this command
+
+    config = ServeConfig.from_env(address=args.address, shutdown_grace_s=args.shutdown_grace_s)
+    asyncio.run(serve(config, store_config(args), _announce))
+    return 0
+
+
+def _announce(address: str) -> None:
+    print(f"kvstore serve: listening on {address}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvstore serve", description="gRPC sidecar over one KV-cache store.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    add_serve_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except KVStoreError as exc:
+        print(f"kvstore serve: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,80 @@
+"""What one call may ask of the sidecar, and the error a call past a limit gets.
+
+Every limit has a name that appears in the error (RESOURCE_EXHAUSTED at the gRPC edge), so a
+caller can tell which one to split around or raise. Defaults, and what they bound:
+
+    max_lookup_blocks         16384   block hashes per Lookup (1M tokens of 64-token blocks, ~300 KB)
+    max_transfer_blocks       32      blocks per Get or Put: the server holds them in memory at once
+                                      (32 x 4.29 MiB V3 blocks = 137 MiB per stream)
+    max_chunk_bytes           1 MiB   payload bytes per chunk message, both directions
+    max_concurrent_transfers  16      Get and Put streams running at once; more are refused, not queued
+    max_message_bytes         4 MiB   any one message, enforced by gRPC itself (its own message)
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Iterator
+
+from kvstore.errors import InvalidRequest, KVStoreError
+
+MESSAGE_OVERHEAD_BYTES = 1 << 10  # room for a chunk's index, offset and framing
+
+
+class LimitExceeded(KVStoreError):
+    """A call asked for more than a ``ServiceLimits`` field allows (backpressure at the edge)."""
+
+
+@dataclass(frozen=True)
+class ServiceLimits:
+    max_lookup_blocks: int = 16384
+    max_transfer_blocks: int = 32
+    max_chunk_bytes: int = 1 << 20
+    max_concurrent_transfers: int = 16
+    max_message_bytes: int = 4 << 20
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            if value <= 0:
+                raise InvalidRequest(f"{name} must be positive, got {value}")
+        if self.max_chunk_bytes + MESSAGE_OVERHEAD_BYTES > self.max_message_bytes:
+            raise InvalidRequest(f"max_message_bytes ({self.max_message_bytes}) must exceed max_chunk_bytes "
+                                 f"({self.max_chunk_bytes}) by at least {MESSAGE_OVERHEAD_BYTES}")
+
+    def check_blocks(self, name: str, count: int) -> None:
+        """Raise ``LimitExceeded`` if ``count`` blocks in one call exceed the limit ``name``."""
+        limit = getattr(self, name)
+        if count > limit:
+            raise LimitExceeded(f"{count} blocks in one call exceed {name}={limit}; split the call")
+
+    def channel_options(self) -> list[tuple[str, int]]:
+        """gRPC options for both ends: the message size limit, which gRPC enforces itself."""
+        return [("grpc.max_receive_message_length", self.max_message_bytes),
+                ("grpc.max_send_message_length", self.max_message_bytes)]
+
+    def chunk_bytes(self, requested: int) -> int:
+        """The chunk size a Get uses: what the caller asked (0: the maximum), capped at the maximum."""
+        return min(requested or self.max_chunk_bytes, self.max_chunk_bytes)
+
+
+class TransferSlots:
+    """Counts the Get and Put streams in progress; refuses past the limit instead of queueing.
+
+    Used from the server's event loop only (not thread-safe).
+    """
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.active = 0
+
+    @contextmanager
+    def hold(self) -> Iterator[None]:
+        if self.active >= self.limit:
+            raise LimitExceeded(f"max_concurrent_transfers={self.limit} Get/Put streams are already running; "
+                                "retry shortly or raise the limit")
+        self.active += 1
+        try:
+            yield
+        finally:
+            self.active -= 1

@@ -1,0 +1,92 @@
+"""The sidecar process: a grpc.aio server over one ``TieredStore``.
+
+``create_server`` builds and binds a server (tests bind port 0 and read the port back);
+``serve`` runs one until SIGTERM or SIGINT, then shuts down gracefully:
+
+    1. health turns NOT_SERVING (load balancers and probes stop sending work)
+    2. the server stops taking calls; in-flight calls get ``shutdown_grace_s`` to finish
+    3. worker threads still copying for a call are waited for
+    4. the store closes: background writes drain and every tier flushes (the disk tier's index
+       and segments are durable, so the next start serves what was put)
+
+Beside the KVStore service: the standard health service (grpc.health.v1, "" and
+"kvstore.v1.KVStore") and server reflection (so grpcurl and friends need no .proto).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from typing import Callable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from kvstore.config import StoreConfig
+from kvstore.errors import InvalidRequest
+from kvstore.service.config import ServeConfig
+from kvstore.service.limits import ServiceLimits
+from kvstore.service.servicer import SERVICE_NAME, KVStoreServicer
+from kvstore.service.v1 import kvstore_pb2_grpc
+from kvstore.store import TieredStore
+
+log = logging.getLogger(__name__)
+
+
+async def create_server(address: str, store: TieredStore, limits: ServiceLimits = ServiceLimits(),
+                        health: health_aio.HealthServicer | None = None) -> tuple[grpc.aio.Server, int]:
+    """A bound, not yet started server with the KVStore, health and reflection services.
+
+    ``address`` is ``HOST:PORT`` (port 0 picks a free one) or ``unix:PATH``. Returns the server and
+    the bound port (0 for a unix socket). Raises ``InvalidRequest`` if the address cannot be bound.
+    """
+    server = grpc.aio.server(options=limits.channel_options())
+    kvstore_pb2_grpc.add_KVStoreServicer_to_server(KVStoreServicer(store, limits), server)
+    health = health or health_aio.HealthServicer()
+    await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+    reflection.enable_server_reflection((SERVICE_NAME, health_name, reflection.SERVICE_NAME), server)
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise InvalidRequest(f"cannot listen on {address!r} ({exc}): is it in use? "
+                             "give --address HOST:PORT or unix:PATH") from None
+    return server, 0 if address.startswith("unix:") else port
+
+
+def bound_address(address: str, port: int) -> str:
+    """``address`` with the port the server actually bound (differs when 0 was asked for)."""
+    return address if address.startswith("unix:") else f"{address.rsplit(':', 1)[0]}:{port}"
+
+
+async def serve(config: ServeConfig, store_config: StoreConfig, ready: Callable[[str], None] = print) -> None:
+    """Serve one store until SIGTERM or SIGINT; ``ready`` gets the bound address once listening."""
+    store = await asyncio.to_thread(store_config.open_store)  # a large host tier takes seconds to prefault
+    try:
+        health = health_aio.HealthServicer()
+        server, port = await create_server(config.address, store, config.limits, health)
+        await server.start()
+        ready(bound_address(config.address, port))
+        await _signalled(signal.SIGTERM, signal.SIGINT)
+        log.info("shutting down: %.1f s for in-flight calls", config.shutdown_grace_s)
+        await health.enter_graceful_shutdown()
+        await server.stop(config.shutdown_grace_s)
+        await asyncio.get_running_loop().shutdown_default_executor()  # store calls still copying
+    finally:
+        store.close()
+
+
+async def _signalled(*signals: signal.Signals) -> None:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in signals:
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)

@@ -1,0 +1,101 @@
+"""Protobuf messages <-> the store's own types, in both directions (server and client).
+
+Numbers cross as they are; ``TierStats.extra`` values cross as strings. This module knows the
+message shapes and nothing about what the store does with them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from kvstore.errors import InvalidRequest
+from kvstore.keys import Namespace
+from kvstore.layout import BlockSpec
+from kvstore.results import LookupResult, PutResult, StoreStats
+from kvstore.service.v1 import kvstore_pb2 as pb
+from kvstore.tiers.base import TierStats
+
+_NAMESPACE_OPTIONAL = ("block_size", "engine", "engine_version", "weights_hash", "cache_salt", "hash_algorithm")
+_TIER_NUMBERS = tuple(f.name for f in fields(TierStats) if f.name not in ("name", "extra"))
+_STORE_NUMBERS = tuple(f.name for f in fields(StoreStats) if f.name not in ("tiers", "counters"))
+
+
+def optional(message, name: str):
+    """The value of a proto3 ``optional`` field, or None when unset."""
+    return getattr(message, name) if message.HasField(name) else None
+
+
+# ---- namespaces ------------------------------------------------------------------------
+
+def namespace_from_request(request: pb.RegisterNamespaceRequest) -> Namespace:
+    which = request.WhichOneof("namespace")
+    if which is None:
+        raise InvalidRequest("RegisterNamespace needs the namespace's fields or its canonical_json")
+    try:
+        if which == "canonical_json":
+            return Namespace.from_json(request.canonical_json)
+        return _namespace_from_fields(request.fields)
+    except InvalidRequest:
+        raise
+    except (ValueError, TypeError, KeyError) as exc:
+        raise InvalidRequest(f"not a valid namespace ({exc!r}); send Namespace.canonical_json() "
+                             f"or the Namespace message's fields") from None
+
+
+def _namespace_from_fields(msg: pb.Namespace) -> Namespace:
+    given = {name: getattr(msg, name) for name in _NAMESPACE_OPTIONAL if msg.HasField(name)}
+    return Namespace(model=msg.model, model_config_hash=msg.model_config_hash, num_layers=msg.num_layers,
+                     components=tuple(msg.components), extra=tuple((kv.key, kv.value) for kv in msg.extra),
+                     **given)
+
+
+def registered(ns_id: bytes, spec: BlockSpec) -> pb.RegisterNamespaceResponse:
+    return pb.RegisterNamespaceResponse(namespace_id=ns_id, block_bytes=spec.block_bytes, layer_bytes=spec.layer_bytes,
+                                        num_layers=spec.num_layers, block_size=spec.block_size)
+
+
+# ---- lookup and put ----------------------------------------------------------------------
+
+def lookup_to_proto(result: LookupResult) -> pb.LookupResponse:
+    return pb.LookupResponse(num_blocks=result.num_blocks, block_size=result.block_size, tiers=result.tiers,
+                             lease_id=result.lease_id, lease_refused=result.lease_refused)
+
+
+def lookup_from_proto(msg: pb.LookupResponse) -> LookupResult:
+    return LookupResult(msg.num_blocks, msg.block_size, tuple(msg.tiers), optional(msg, "lease_id"), msg.lease_refused)
+
+
+def put_header(message: pb.PutRequest | None) -> pb.PutHeader:
+    """The header a Put stream must open with."""
+    if message is None or message.WhichOneof("kind") != "header":
+        raise InvalidRequest("a Put stream must open with a PutHeader (namespace, block hashes, block bytes)")
+    return message.header
+
+
+def put_chunk(message: pb.PutRequest) -> pb.Chunk:
+    """A chunk of a Put stream; only the first message is a header."""
+    if message.WhichOneof("kind") != "chunk":
+        raise InvalidRequest("a Put stream has one PutHeader, first; every later message must be a Chunk")
+    return message.chunk
+
+
+def put_result_to_proto(result: PutResult) -> pb.PutResponse:
+    return pb.PutResponse(stored=result.stored, duplicates=result.duplicates, rejected=result.rejected)
+
+
+def put_result_from_proto(msg: pb.PutResponse) -> PutResult:
+    return PutResult(msg.stored, msg.duplicates, msg.rejected)
+
+
+# ---- stats ---------------------------------------------------------------------------
+
+def stats_to_proto(stats: StoreStats) -> pb.StatsResponse:
+    tiers = [pb.TierStats(name=t.name, extra={k: str(v) for k, v in t.extra.items()},
+                          **{n: getattr(t, n) for n in _TIER_NUMBERS}) for t in stats.tiers]
+    return pb.StatsResponse(tiers=tiers, counters=stats.counters, **{n: getattr(stats, n) for n in _STORE_NUMBERS})
+
+
+def stats_from_proto(msg: pb.StatsResponse) -> StoreStats:
+    tiers = tuple(TierStats(name=t.name, extra=dict(t.extra), **{n: getattr(t, n) for n in _TIER_NUMBERS})
+                  for t in msg.tiers)
+    return StoreStats(tiers=tiers, counters=dict(msg.counters), **{n: getattr(msg, n) for n in _STORE_NUMBERS})

@@ -1,0 +1,30 @@
+"""kvstore demo (quick size): every request reuses what it should, from the tier it should, and its
+output equals a cold run."""
+
+from engine_adapter.demo import DemoConfig, run_demo
+
+
+def test_quick_demo_reuses_from_every_tier_and_matches_cold_runs(tmp_path):
+    lines = []
+    result = run_demo(DemoConfig.quick(data_dir=str(tmp_path)), lines.append)
+    rows = {r["request"]: r for r in result["requests"]}
+    assert result["outputs_identical"] is True
+    for row in result["requests"]:
+        assert row["computed_tokens"] + row["reused_tokens"] == row["prompt_tokens"]
+    assert rows["chat 0.0"]["reused_tokens"] == 0 and rows["chat 1.0"]["reused_tokens"] == 128  # the system prompt
+    assert rows["chat 0.2"]["reused_tokens"] > rows["chat 0.1"]["reused_tokens"], "later turns reuse earlier ones"
+    assert any("host" in r["reused_from"] for r in result["requests"] if r["request"].startswith("chat"))
+    cached = 896  # 7/8 of 1024: a 2-block suffix, so a run that saved its suffix would show 960
+    assert [rows[f"long {k}"]["reused_tokens"] for k in ("cold", "resident", "host", "disk")] == [0, cached, cached, cached]
+    assert rows["long resident"]["reused_from"] == f"device {cached}"
+    assert rows["long host"]["reused_from"] == f"host {cached}" and rows["long disk"]["reused_from"] == f"disk {cached}"
+    assert result["prefill_tokens_reused"] == sum(r["reused_tokens"] for r in result["requests"])
+    assert 0 < result["ttft_hit_s"] and 0 < result["ttft_cold_s"]
+    assert any("outputs identical to cold runs: True" in line for line in lines)
+
+
+def test_v32_quick_demo_with_hits_longer_than_index_topk(tmp_path):
+    result = run_demo(DemoConfig.quick(data_dir=str(tmp_path), v32=True), lambda s: None)
+    topk = result["model_config"]["index_topk"]
+    assert result["long_prompt"]["cached_tokens"] > topk  # the indexer keys came back with the latents
+    assert result["outputs_identical"] is True
