@@ -63,6 +63,17 @@ class SequenceCache(ABC):
         """All tokens ``layer`` holds."""
 
 
+class Segment(NamedTuple):
+    """Rows ``rows`` of a batch of new tokens are the next tokens of ``cache``, in position order.
+
+    A forward call's segments tile its rows ``[0, N)`` in order, one segment per cache: a prefill
+    chunk is one segment of T rows, a batched decode step B segments of one row each.
+    """
+
+    cache: SequenceCache
+    rows: slice
+
+
 class ContiguousCache(SequenceCache):
     """A SequenceCache in growing contiguous tensors, one set per layer (tests, demos, reference).
 

@@ -3,10 +3,12 @@
     engine = Engine(model, PagePool(model.config, num_pages=256))
     outputs = engine.generate([prompt_ids, ...], max_new_tokens=32)   # -> [[token ids], ...]
 
-One ``step()`` runs every scheduled sequence through the model with its own forward call (prefill
-chunk, suffix after a prefix hit, or decode: the same call), commits the blocks it completed and
-samples where a sequence reached its last known token. Prefix reuse, the connector and page
-accounting live in ``BlockManager``; admission, chunking and preemption in ``Scheduler``.
+One ``step()`` runs the scheduled work through the model: every decoding sequence (one new token,
+``Work.is_decode``) together in ONE ``model.forward_decode`` call, then each other item (prefill
+chunk, suffix after a prefix hit, a connector load's first forward) with its own ``model(...)``
+call. It commits the blocks each sequence completed and samples where a sequence reached its last
+known token. Prefix reuse, the connector and page accounting live in ``BlockManager``; admission,
+chunking and preemption in ``Scheduler``.
 
 The optional ``connector`` (``connectors.base.KVConnector``) serves blocks beyond the device hit,
 receives the blocks the model computes, and (unless the pool already has an ``on_evict`` hook)
@@ -55,7 +57,13 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One engine iteration; returns the requests that finished in it."""
         work = self.scheduler.schedule()
-        sampled = [self._run(item) for item in work]
+        sampled: list[int | None] = [None] * len(work)
+        decode = [i for i, item in enumerate(work) if item.is_decode]
+        for i, token in zip(decode, self._decode([work[i].seq for i in decode])):
+            sampled[i] = token
+        for i, item in enumerate(work):
+            if not item.is_decode:
+                sampled[i] = self._run(item)
         return self.scheduler.postprocess(work, sampled)
 
     @property
@@ -86,6 +94,16 @@ class Engine:
         actual = [self.pool.ref_count(page) for page in range(self.pool.num_pages)]
         assert actual == expected, "page references do not match the running sequences' block tables"
 
+    def _decode(self, seqs: list[Sequence]) -> list[int | None]:
+        """Forward the next token of every sequence in ONE batched call; the sampled tokens."""
+        if not seqs:
+            return []
+        starts = [seq.num_cached_tokens for seq in seqs]
+        token_ids = torch.tensor([seq.token_ids[start] for seq, start in zip(seqs, starts)], device=self.pool.device)
+        positions = torch.tensor(starts, device=self.pool.device)
+        logits = self.model.forward_decode(token_ids, positions, [seq.cache for seq in seqs])  # [B, vocab]
+        return [self._computed(seq, start, 1, row) for seq, start, row in zip(seqs, starts, logits)]
+
     def _run(self, item: Work) -> int | None:
         """Forward ``item``'s tokens; the sampled next token if the sequence reached its end, else None."""
         seq, count = item
@@ -99,8 +117,12 @@ class Engine:
         except LoadFailed:
             self.blocks.abort_load(seq)  # the next step recomputes from the device hit
             return None
+        return self._computed(seq, start, count, logits[-1])
+
+    def _computed(self, seq: Sequence, start: int, count: int, last_logits: torch.Tensor) -> int | None:
+        """Positions [start, start + count) are cached: count, commit, and sample if at the end."""
         seq.stats.computed_prompt_tokens += max(0, min(start + count, seq.num_prompt_tokens) - start)
         self.blocks.commit(seq)
         if seq.num_uncomputed_tokens:
             return None
-        return sample(logits[-1], seq.request.temperature, seq.generator)
+        return sample(last_logits, seq.request.temperature, seq.generator)

@@ -8,7 +8,9 @@ scores every visible cached token and keeps the ``index_topk`` best:
     weight w[t,h]  = weights_proj(x_t) / sqrt(H)                      (float32)         [T, H]
     score  I[t,s]  = sum_h w[t,h] * relu(q[t,h] . k[s] / sqrt(D))                        [T, S]
 
-then the top ``index_topk`` visible tokens by I (all of them when fewer are visible).
+then the top ``index_topk`` visible tokens by I (all of them when fewer are visible). ``key`` and
+``queries`` are projections and run over a whole batch; ``select`` runs per sequence, against that
+sequence's cached keys.
 
 Numerics follow HF transformers 5.23, which (like vLLM) applies no Hadamard rotation and keeps keys
 unquantised: DeepSeek's reference and SGLang rotate q and k by a Hadamard matrix and quantise to
@@ -21,12 +23,24 @@ and without it a query past ``index_topk`` tokens picks the wrong tokens.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine_adapter.config import ModelConfig
 from engine_adapter.rope import Rotation
+
+
+class IndexQueries(NamedTuple):
+    """The indexer's side of T queries; computed for a whole batch, sliced per sequence by ``rows``."""
+
+    q: torch.Tensor  # [T, H, D] float32, RoPE applied
+    weights: torch.Tensor  # [T, H] float32, weights_proj(x) / sqrt(H)
+
+    def rows(self, rows: slice) -> IndexQueries:
+        return IndexQueries(self.q[rows], self.weights[rows])
 
 
 class Indexer(nn.Module):
@@ -48,29 +62,30 @@ class Indexer(nn.Module):
         """x [T, hidden] -> indexer keys [T, D] for the cache."""
         return self._rope(self.k_norm(self.wk(x)), rotation)  # [T, D]
 
+    def queries(self, x: torch.Tensor, q_latent: torch.Tensor, rotation: Rotation) -> IndexQueries:
+        """x [T, hidden], q_latent [T, q_lora_rank] (q_a_layernorm(q_a_proj(x))) -> the T queries."""
+        q = self.wq_b(q_latent).view(x.shape[0], self.n_heads, self.head_dim)  # [T, H, D]
+        q = self._rope(q, rotation).float()
+        head_weights = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float()  # [T, H]
+        return IndexQueries(q, head_weights * self.n_heads**-0.5)
+
     def select(
         self,
-        x: torch.Tensor,  # [T, hidden]
-        q_latent: torch.Tensor,  # [T, q_lora_rank], q_a_layernorm(q_a_proj(x))
-        rotation: Rotation,
+        queries: IndexQueries,  # T queries of one sequence
         keys: torch.Tensor,  # [S, D], all cached indexer keys of this layer
         visible: torch.Tensor,  # [T, S] bool, the causal mask
     ) -> torch.Tensor:
         """-> [T, S] bool: True where the query keeps the token (always a subset of ``visible``)."""
-        scores = self._scores(x, q_latent, rotation, keys).masked_fill(~visible, float("-inf"))  # [T, S]
+        scores = self._scores(queries, keys).masked_fill(~visible, float("-inf"))  # [T, S]
         top = scores.topk(min(self.topk, keys.shape[0]), dim=-1).indices  # [T, k]
         picked = torch.zeros_like(visible).scatter(-1, top, True)  # [T, S]
         return picked & visible
 
-    def _scores(self, x, q_latent, rotation, keys) -> torch.Tensor:
+    def _scores(self, queries: IndexQueries, keys: torch.Tensor) -> torch.Tensor:
         """-> index scores I [T, S] float32 (see the module docstring)."""
-        q = self.wq_b(q_latent).view(x.shape[0], self.n_heads, self.head_dim)  # [T, H, D]
-        q = self._rope(q, rotation)
-        per_head = torch.matmul(q.float(), keys.float().T) * self.head_dim**-0.5  # [T, H, S]
+        per_head = torch.matmul(queries.q, keys.float().T) * self.head_dim**-0.5  # [T, H, S]
         per_head = F.relu(per_head)
-        head_weights = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float()  # [T, H]
-        weights = head_weights * self.n_heads**-0.5
-        return torch.matmul(weights.unsqueeze(-2), per_head).squeeze(-2)  # [T, S]
+        return torch.matmul(queries.weights.unsqueeze(-2), per_head).squeeze(-2)  # [T, S]
 
     def _rope(self, t: torch.Tensor, rotation: Rotation) -> torch.Tensor:
         """Half-split RoPE on the first rope_dim dims of t [T, ..., D]; the rest passes through."""

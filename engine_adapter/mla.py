@@ -14,6 +14,8 @@ all heads. HF expands ``c`` into per-head keys and values through ``kv_b_proj``;
 so attention runs against the 512 + 64 wide cache directly (what FlashMLA does), for prefill and
 decode alike. DeepSeek-V3.2 additionally restricts each query to the tokens its indexer picks.
 
+A call runs over a batch of rows split into ``Segment``s (one per sequence cache): the projections
+(q, kv_a, o_proj, the indexer's) run over the whole batch, the attention above per segment.
 The layer knows the cache only through ``SequenceCache``: nothing about pages or blocks.
 """
 
@@ -22,9 +24,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine_adapter.cache import SequenceCache
+from engine_adapter.cache import Segment
 from engine_adapter.config import ModelConfig
-from engine_adapter.indexer import Indexer
+from engine_adapter.indexer import Indexer, IndexQueries
 from engine_adapter.norm import RMSNorm
 from engine_adapter.rope import Rotation, softmax_scale
 
@@ -56,18 +58,32 @@ class MLAttention(nn.Module):
         self.q_a_layernorm = RMSNorm(config.q_lora_rank)
         self.q_b_proj = nn.Linear(config.q_lora_rank, width, bias=False)
 
-    def forward(self, x: torch.Tensor, rotation: Rotation, cache: SequenceCache) -> torch.Tensor:
-        """x [T, hidden] of the new tokens -> [T, hidden]; appends the T tokens to the cache first."""
-        q_latent, q_nope, q_rope = self._queries(x, rotation)
-        cache.append(self.layer, *self._cache_entries(x, rotation))
+    def forward(self, x: torch.Tensor, rotation: Rotation, segments: list[Segment]) -> torch.Tensor:
+        """x [N, hidden] of the new tokens of every segment -> [N, hidden].
+
+        The projections run over all N rows at once; each segment then appends its rows to its
+        cache and attends over that cache alone.
+        """
+        q_latent, q_nope, q_rope = self._queries(x, rotation)  # [N, q_lora] or None, [N, H, dn], [N, H, 64]
+        entries = self._cache_entries(x, rotation)  # [N, 512], [N, 64], [N, D] or None
+        index_queries = None if self.indexer is None else self.indexer.queries(x, q_latent, rotation)
+        out = torch.cat([self._attend(segment, q_nope, q_rope, entries, index_queries)
+                         for segment in segments])  # [N, H, dv]
+        return self.o_proj(out.flatten(1))
+
+    def _attend(self, segment: Segment, q_nope: torch.Tensor, q_rope: torch.Tensor, entries: tuple,
+                index_queries: IndexQueries | None) -> torch.Tensor:
+        """One sequence: append its T rows of ``entries`` to its cache, attend -> [T, H, dv]."""
+        cache, rows = segment
+        q_nope, q_rope = q_nope[rows], q_rope[rows]  # [T, H, dn], [T, H, 64]
+        cache.append(self.layer, *(None if t is None else t[rows] for t in entries))
         cached = cache.read(self.layer)  # S tokens, the T new ones last
-        visible = _causal_mask(x.shape[0], cached.latent.shape[0], x.device)  # [T, S]
+        visible = _causal_mask(q_nope.shape[0], cached.latent.shape[0], q_nope.device)  # [T, S]
         if self.indexer is not None:
             if cached.indexer_key is None:
                 raise ValueError("a V3.2 model needs a cache that keeps indexer keys")
-            visible = self.indexer.select(x, q_latent, rotation, cached.indexer_key, visible)
-        out = self._absorbed_attention(q_nope, q_rope, cached.latent, cached.rope_key, visible)  # [T, H, dv]
-        return self.o_proj(out.flatten(1))
+            visible = self.indexer.select(index_queries.rows(rows), cached.indexer_key, visible)
+        return self._absorbed_attention(q_nope, q_rope, cached.latent, cached.rope_key, visible)
 
     def _queries(self, x: torch.Tensor, rotation: Rotation):
         """x [T, hidden] -> (q_latent [T, q_lora] or None, q_nope [T, H, dn], q_rope [T, H, 64] rotated)."""

@@ -1,23 +1,28 @@
-"""DeepSeek-V3 / V3.2 causal LM for ONE sequence at a time, over a ``SequenceCache``.
+"""DeepSeek-V3 / V3.2 causal LM over ``SequenceCache``s.
 
-    forward(token_ids [T], positions [T], cache) -> logits [T, vocab]
+    forward(token_ids [T], positions [T], cache)           -> logits [T, vocab]   one sequence
+    forward_decode(token_ids [B], positions [B], caches)   -> logits [B, vocab]   one token each of B
 
-The cache holds positions ``[0, start)`` and the call appends the T new tokens at
-``[start, start + T)``: a full prefill (start = 0), a suffix after a prefix hit, and a decode step
-(T = 1) are the same call. Module and parameter names match the HF checkpoints, so
-``from_pretrained`` loads them by name.
+The cache holds positions ``[0, start)`` and a call appends the new tokens at ``[start, ...)``: a
+full prefill (start = 0), a suffix after a prefix hit, and a decode step (T = 1) are the same
+``forward``. ``forward_decode`` runs B sequences' next tokens as one batch: embedding, projections,
+norms, MLP and MoE see [B, hidden]; only attention runs per sequence, against its own cache (the
+per-layer code takes a list of ``Segment``s, rows of the batch per cache). MoE routing is per token,
+so a batch gives each sequence its own decode's numbers, up to float32 summation order. Module and
+parameter names match the HF checkpoints, so ``from_pretrained`` loads them by name.
 
-The model knows nothing about pages, blocks, the store or batching: the cache is its only memory.
+The model knows nothing about pages, blocks, the store or scheduling: the caches are its only memory.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from engine_adapter.cache import ContiguousCache, SequenceCache
+from engine_adapter.cache import ContiguousCache, Segment, SequenceCache
 from engine_adapter.config import ModelConfig
 from engine_adapter.indexer import Indexer
 from engine_adapter.mla import MLAttention
@@ -41,9 +46,9 @@ class DecoderLayer(nn.Module):
         dense = not config.is_moe_layer(layer)
         self.mlp = MLP(config.hidden_size, config.intermediate_size) if dense else MoE(config)
 
-    def forward(self, h: torch.Tensor, rotation: Rotation, cache: SequenceCache) -> torch.Tensor:
-        """h [T, hidden] -> [T, hidden]."""
-        h = h + self.self_attn(self.input_layernorm(h), rotation, cache)
+    def forward(self, h: torch.Tensor, rotation: Rotation, segments: list[Segment]) -> torch.Tensor:
+        """h [N, hidden] -> [N, hidden]; attention per segment, everything else over all N rows."""
+        h = h + self.self_attn(self.input_layernorm(h), rotation, segments)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -74,16 +79,32 @@ class DeepseekForCausalLM(nn.Module):
 
         Appends the T tokens to every layer of the cache.
         """
-        if token_ids.dim() != 1 or positions.shape != token_ids.shape or token_ids.numel() == 0:
-            raise ValueError(f"token_ids and positions must both be [T] with T >= 1, got "
-                             f"{tuple(token_ids.shape)} and {tuple(positions.shape)}")
-        start = cache.length
-        h = self.model.embed_tokens(token_ids)  # [T, hidden]
+        _check_tokens(token_ids, positions)
+        return self._forward(token_ids, positions, [Segment(cache, slice(0, token_ids.numel()))])
+
+    @torch.no_grad()
+    def forward_decode(self, token_ids: torch.Tensor, positions: torch.Tensor,
+                       caches: Sequence[SequenceCache]) -> torch.Tensor:
+        """token_ids [B], positions [B] (positions[b] = caches[b].length) -> logits [B, vocab].
+
+        One new token for each of B distinct sequences; appends token b to every layer of caches[b].
+        """
+        _check_tokens(token_ids, positions)
+        if len(caches) != token_ids.numel() or len({id(c) for c in caches}) != len(caches):
+            raise ValueError(f"forward_decode needs one distinct cache per token: {token_ids.numel()} tokens, "
+                             f"{len(caches)} caches ({len({id(c) for c in caches})} distinct)")
+        return self._forward(token_ids, positions, [Segment(cache, slice(b, b + 1)) for b, cache in enumerate(caches)])
+
+    def _forward(self, token_ids: torch.Tensor, positions: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+        """token_ids [N], positions [N], segments tiling [0, N) -> logits [N, vocab]."""
+        starts = [segment.cache.length for segment in segments]
+        h = self.model.embed_tokens(token_ids)  # [N, hidden]
         rotation = Rotation.at(positions, self.inv_freq, self.attention_factor, h.dtype)
         for layer in self.model.layers:
-            h = layer(h, rotation, cache)
-        assert cache.length == start + token_ids.numel(), "SequenceCache bug: a layer did not grow by T"
-        return self.lm_head(self.model.norm(h))  # [T, vocab]
+            h = layer(h, rotation, segments)
+        for (cache, rows), start in zip(segments, starts):
+            assert cache.length == start + rows.stop - rows.start, "SequenceCache bug: a layer did not grow by T"
+        return self.lm_head(self.model.norm(h))  # [N, vocab]
 
     def new_cache(self) -> ContiguousCache:
         """An empty ContiguousCache with the components this model produces."""
@@ -134,6 +155,12 @@ class DeepseekForCausalLM(nn.Module):
             if isinstance(module, (Router, Indexer)):
                 module.keep_fp32_()
         return self
+
+
+def _check_tokens(token_ids: torch.Tensor, positions: torch.Tensor) -> None:
+    if token_ids.dim() != 1 or positions.shape != token_ids.shape or token_ids.numel() == 0:
+        raise ValueError(f"token_ids and positions must both be [T] with T >= 1, got "
+                         f"{tuple(token_ids.shape)} and {tuple(positions.shape)}")
 
 
 def _init_(name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:

@@ -27,6 +27,12 @@ class Work(NamedTuple):
     seq: Sequence
     num_tokens: int  # positions [seq.num_cached_tokens, + num_tokens) run this step
 
+    @property
+    def is_decode(self) -> bool:
+        """One new token and no connector load in flight: batched with the step's other decodes.
+        (A load's first forward runs alone, so a failed load aborts only its own sequence.)"""
+        return self.num_tokens == 1 and self.seq.load is None
+
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, chunk_size: int, max_running: int) -> None:

@@ -52,21 +52,47 @@ def reference_greedy(model, prompt: list[int], max_new_tokens: int,
 
 
 class Recorder:
-    """The model, recording the logits of every position it computes (one request at a time)."""
+    """The model, recording every call and the logits of every position it computes.
+
+    ``rows``: position -> logits, for runs of one request at a time. ``calls``: ("forward", T) or
+    ("decode", B) per model call. ``sequence_logits(prompt)``: the logits of a request run among
+    others, found by its prompt (its cache must have started empty).
+    """
 
     def __init__(self, model) -> None:
-        self.model, self.rows = model, {}
+        self.model, self.rows, self.calls = model, {}, []
+        self._per_cache: dict[int, tuple[object, dict[int, tuple[int, torch.Tensor]]]] = {}
 
     def __getattr__(self, name):
         return getattr(self.model, name)
 
     def __call__(self, token_ids, positions, cache):
         logits = self.model(token_ids, positions, cache)
-        self.rows.update(zip(positions.tolist(), logits))
+        self.calls.append(("forward", token_ids.numel()))
+        self._record(cache, token_ids, positions, logits)
+        return logits
+
+    def forward_decode(self, token_ids, positions, caches):
+        logits = self.model.forward_decode(token_ids, positions, caches)
+        self.calls.append(("decode", token_ids.numel()))
+        for b, cache in enumerate(caches):
+            self._record(cache, token_ids[b : b + 1], positions[b : b + 1], logits[b : b + 1])
         return logits
 
     def logits(self, positions) -> torch.Tensor:
         return torch.stack([self.rows[p] for p in positions])
+
+    def sequence_logits(self, prompt: list[int]) -> torch.Tensor:
+        """[positions 0 .. last computed, vocab] of the one cache whose first tokens are ``prompt``."""
+        [rows] = [rows for _, rows in self._per_cache.values()
+                  if [rows.get(p, (None,))[0] for p in range(len(prompt))] == prompt]
+        assert sorted(rows) == list(range(len(rows))), "positions missing: was the cache cold?"
+        return torch.stack([rows[p][1] for p in range(len(rows))])
+
+    def _record(self, cache, token_ids, positions, logits) -> None:
+        self.rows.update(zip(positions.tolist(), logits))
+        _, rows = self._per_cache.setdefault(id(cache), (cache, {}))  # keeps the cache alive: ids stay unique
+        rows.update((p, (t, row)) for p, t, row in zip(positions.tolist(), token_ids.tolist(), logits))
 
 
 class DictHandle(LoadHandle):

@@ -35,7 +35,7 @@ def test_the_indexer_really_restricts_attention(v32):
     q_latent = attn.q_a_layernorm(attn.q_a_proj(x))
     rotation = Rotation.at(torch.arange(T), v32.ours.inv_freq, v32.ours.attention_factor, torch.float32)
     causal = torch.ones(T, T, dtype=torch.bool).tril()
-    kept = attn.indexer.select(x, q_latent, rotation, keys, causal)  # [T, T]
+    kept = attn.indexer.select(attn.indexer.queries(x, q_latent, rotation), keys, causal)  # [T, T]
     assert not (kept & ~causal).any()
     assert kept.sum(-1).tolist() == [min(i + 1, TOPK) for i in range(T)]
 
