@@ -199,6 +199,22 @@ class TieredStore(PlacementMixin):
                     self._leases.release(lease_id)
                     self._bury_doomed(keys)
 
+    def record_access(self, ns_id: bytes, block_hashes: Sequence[bytes], tier: str) -> int:
+        """Tell ``tier``'s policy that these resident blocks were read outside ``load`` (the
+        sidecar's shared-memory path hands out slots and the client copies). Counts them as
+        loaded from that tier. Returns how many were resident there; others are ignored."""
+        self.spec(ns_id)
+        _check_hashes(block_hashes)
+        t = self._tier_index.get(tier)
+        if t is None:
+            raise InvalidRequest(f"no tier named {tier!r}; tiers: {list(self._tier_index)}")
+        with self._lock:
+            keys = [ns_id + h for h in block_hashes if self._bits(ns_id + h) >> t & 1]
+            for key in keys:
+                self._policies[t].on_access(key)
+            self._counters[f"loaded_blocks:{t}"] += len(keys)
+        return len(keys)
+
     def load_layer(self, ns_id: bytes, block_hash: bytes, layer: int, dst) -> str | None:
         """Copy one layer of one block into ``dst``; returns the serving tier's name or None."""
         spec = self.spec(ns_id)

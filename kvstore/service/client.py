@@ -12,8 +12,14 @@ caller's buffers. Results are the store's own types (``LookupResult``, ``LoadRes
 refuses raises ``grpc.RpcError`` with its status code and the store's message; mistakes the
 client can see alone (buffer count or sizes) raise ``InvalidRequest`` before any call.
 
-It knows the wire only: no caching, no shared-memory fast path (later work). Thread-safe: one
-client may serve many threads.
+Same host: ``load_shm`` takes the fast path (``kvstore.service.shm``): one GetSlots call leases
+the hit and says where its host-tier blocks sit in the sidecar's shared-memory segment; they are
+copied straight from a read-only mapping (cached per segment path) into ``dsts``, the rest of the
+hit comes through Get, then the lease is released. A client that cannot map the segment (another
+host or container) gets every block through Get, with the same result.
+
+It knows the wire and the segment layout only: no caching of blocks. Thread-safe: one client may
+serve many threads.
 """
 
 from __future__ import annotations
@@ -21,16 +27,20 @@ from __future__ import annotations
 from typing import Iterator, Sequence
 
 import grpc
+import numpy as np
 
 from kvstore.buffers import byte_view
 from kvstore.errors import InvalidRequest
 from kvstore.keys import Namespace
+from kvstore.checksum import layers_match
 from kvstore.results import LoadResult, LookupResult, PutResult, StoreStats
 from kvstore.service import wire
-from kvstore.service.chunks import BlockAssembler, iter_chunks
+from kvstore.service.chunks import BlockAssembler, check_block_bytes, iter_chunks
 from kvstore.service.limits import ServiceLimits
+from kvstore.service.shm import SegmentMaps, SlotGrant
 from kvstore.service.v1 import kvstore_pb2 as pb
 from kvstore.service.v1.kvstore_pb2_grpc import KVStoreStub
+from kvstore.tiers.host import HostTier
 
 
 class KVStoreClient:
@@ -41,6 +51,7 @@ class KVStoreClient:
         self._stub = KVStoreStub(self._channel)
         self._timeout = timeout_s
         self._limits = limits
+        self._segments = SegmentMaps()
 
     def wait_ready(self, timeout_s: float = 10.0) -> None:
         """Block until the channel connects; raises ``grpc.FutureTimeoutError`` after ``timeout_s``."""
@@ -77,6 +88,71 @@ class KVStoreClient:
         assembler.finish()
         return LoadResult(header.requested_blocks, tuple(header.tiers), len(header.tiers) * header.block_bytes)
 
+    def get_slots(self, ns_id: bytes, block_hashes: Sequence[bytes], lease_ttl_s: float = 30.0) -> SlotGrant:
+        """Lease the hit and locate its leading host-tier blocks; the caller must ``release`` the lease."""
+        request = pb.GetSlotsRequest(namespace_id=ns_id, block_hashes=block_hashes, lease_ttl_s=lease_ttl_s)
+        return wire.slots_from_proto(self._stub.GetSlots(request, timeout=self._timeout))
+
+    def load_shm(self, ns_id: bytes, block_hashes: Sequence[bytes], dsts: Sequence, lease_ttl_s: float = 30.0,
+                 verify: bool = False) -> LoadResult:
+        """``load`` through the same-host fast path; the same contract and result.
+
+        Host-tier blocks are copied from the mapped segment, the rest of the hit comes through
+        Get; blocks past the hit are not tried. ``verify`` checks each copied block's per-layer
+        checksums (a mismatch sends that block and the rest through Get). If the lease expired
+        before the copies were done, they are discarded and every block comes through Get.
+        """
+        if len(dsts) != len(block_hashes):
+            raise InvalidRequest(f"{len(block_hashes)} block hashes but {len(dsts)} destination buffers")
+        views = [byte_view(d, writable=True) for d in dsts]
+        grant = self.get_slots(ns_id, block_hashes, lease_ttl_s)
+        if grant.lease_id is None:  # nothing hit, or the lease was refused: no pin, no mapping
+            return self.load(ns_id, block_hashes, dsts) if grant.lease_refused else LoadResult(len(dsts), (), 0)
+        try:
+            check_block_bytes(_one_size(views, "destination buffers"), grant.block_bytes, "destination buffer",
+                              len(views))
+            copied = self._copy_slots(grant, views, verify)
+            tail = self._load_batched(ns_id, block_hashes[copied : grant.hit_blocks], views[copied : grant.hit_blocks])
+        except BaseException:
+            self._release_if_held(grant.lease_id)
+            raise
+        if not self._release_if_held(grant.lease_id):  # expired while we copied: the slots may be reused
+            return self.load(ns_id, block_hashes, dsts)
+        served = (HostTier.name,) * copied + tail
+        return LoadResult(len(block_hashes), served, len(served) * grant.block_bytes)
+
+    def _copy_slots(self, grant: SlotGrant, views: Sequence, verify: bool) -> int:
+        """Copy the leading slots into ``views``; returns how many blocks were copied."""
+        for i, slot in enumerate(grant.slots):
+            source = self._segments.slot(grant.segment_path, slot.offset, slot.nbytes)
+            if source is None or slot.nbytes != views[i].nbytes:
+                return i
+            np.copyto(views[i], source)  # [block_bytes] uint8, memcpy with the GIL released
+            if verify and not layers_match(views[i], slot.layer_checksums):
+                return i
+        return len(grant.slots)
+
+    def _load_batched(self, ns_id: bytes, block_hashes: Sequence[bytes], views: Sequence) -> tuple[str, ...]:
+        """Get in calls of at most max_transfer_blocks; the tiers of the blocks served, stopping at a miss."""
+        served: tuple[str, ...] = ()
+        step = self._limits.max_transfer_blocks
+        for start in range(0, len(block_hashes), step):
+            result = self.load(ns_id, block_hashes[start : start + step], views[start : start + step])
+            served += result.tiers
+            if not result.complete:
+                break
+        return served
+
+    def _release_if_held(self, lease_id: int) -> bool:
+        """Release ``lease_id``; False when the server no longer knows it (it expired)."""
+        try:
+            self.release(lease_id)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.NOT_FOUND:
+                raise
+            return False
+        return True
+
     def put(self, ns_id: bytes, block_hashes: Sequence[bytes], payloads: Sequence,
             parent: bytes | None = None) -> PutResult:
         """Store consecutive blocks of one chain (``parent``: the hash before ``block_hashes[0]``)."""
@@ -104,6 +180,7 @@ class KVStoreClient:
 
     def close(self) -> None:
         self._channel.close()
+        self._segments.close()
 
     def __enter__(self) -> "KVStoreClient":
         return self

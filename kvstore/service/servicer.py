@@ -16,7 +16,7 @@ import grpc
 import numpy as np
 
 from kvstore.errors import InvalidRequest, KVStoreError, StoreClosed, UnknownLease, UnknownNamespace
-from kvstore.service import wire
+from kvstore.service import shm, wire
 from kvstore.service.chunks import BlockAssembler, check_block_bytes, iter_chunks
 from kvstore.service.limits import LimitExceeded, ServiceLimits, TransferSlots
 from kvstore.service.v1 import kvstore_pb2 as pb
@@ -96,6 +96,13 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             chunk_bytes = self._limits.chunk_bytes(request.chunk_bytes)
             for index, offset, data in iter_chunks(dsts[: result.loaded_blocks], chunk_bytes):
                 yield pb.GetResponse(chunk=pb.Chunk(block_index=index, offset=offset, data=data))
+
+    @translate_errors
+    async def GetSlots(self, request, context):
+        self._limits.check_blocks("max_lookup_blocks", len(request.block_hashes))  # no payload bytes move
+        grant = await asyncio.to_thread(shm.leased_slots, self._store, request.namespace_id,
+                                        list(request.block_hashes), request.lease_ttl_s)
+        return wire.slots_to_proto(grant)
 
     @translate_errors
     async def Put(self, request_iterator, context):

@@ -12,6 +12,7 @@ from kvstore.errors import InvalidRequest
 from kvstore.keys import Namespace
 from kvstore.layout import BlockSpec
 from kvstore.results import LookupResult, PutResult, StoreStats
+from kvstore.service.shm import Slot, SlotGrant
 from kvstore.service.v1 import kvstore_pb2 as pb
 from kvstore.tiers.base import TierStats
 
@@ -63,6 +64,19 @@ def lookup_to_proto(result: LookupResult) -> pb.LookupResponse:
 
 def lookup_from_proto(msg: pb.LookupResponse) -> LookupResult:
     return LookupResult(msg.num_blocks, msg.block_size, tuple(msg.tiers), optional(msg, "lease_id"), msg.lease_refused)
+
+
+def slots_to_proto(grant: SlotGrant) -> pb.GetSlotsResponse:
+    slots = [pb.Slot(offset=s.offset, nbytes=s.nbytes, layer_checksums=s.layer_checksums) for s in grant.slots]
+    return pb.GetSlotsResponse(requested_blocks=grant.requested_blocks, hit_blocks=grant.hit_blocks,
+                               segment_path=grant.segment_path, slots=slots, lease_id=grant.lease_id,
+                               lease_refused=grant.lease_refused, block_bytes=grant.block_bytes)
+
+
+def slots_from_proto(msg: pb.GetSlotsResponse) -> SlotGrant:
+    slots = tuple(Slot(s.offset, s.nbytes, tuple(s.layer_checksums)) for s in msg.slots)
+    return SlotGrant(msg.requested_blocks, msg.hit_blocks, msg.segment_path, slots, optional(msg, "lease_id"),
+                     msg.lease_refused, msg.block_bytes)
 
 
 def put_header(message: pb.PutRequest | None) -> pb.PutHeader:

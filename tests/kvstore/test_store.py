@@ -13,7 +13,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from kvstore.errors import StoreClosed, UnknownNamespace
+from kvstore.errors import InvalidRequest, StoreClosed, UnknownNamespace
 from kvstore.keys import namespace_hashes
 from kvstore.store import TieredStore
 from kvstore.tiers.disk import DiskTier
@@ -366,3 +366,20 @@ def test_loading_a_chain_never_evicts_its_own_later_blocks(make_store, namespace
     for got, expected in zip(dsts, payloads):
         np.testing.assert_array_equal(got, expected)
     store.check_integrity()
+
+
+def test_record_access_refreshes_recency_for_reads_outside_load(make_store, namespace, spec):
+    """The sidecar's shared-memory path copies without ``load``; ``record_access`` keeps LRU true."""
+    from tests.kvstore.store_helpers import SLOTS4, host_resident, put_chain, tokens
+
+    store = make_store(**SLOTS4, background_writes=False)
+    ns_id = store.register_namespace(namespace)
+    old = namespace_hashes(namespace, tokens(0, 2))
+    put_chain(store, ns_id, spec, old)
+    put_chain(store, ns_id, spec, namespace_hashes(namespace, tokens(100, 2)))
+    assert store.record_access(ns_id, old, "host") == 2  # read via shared memory: now the most recent
+    put_chain(store, ns_id, spec, namespace_hashes(namespace, tokens(200, 2)))
+    assert host_resident(store, ns_id, old) == [True, True]
+    assert store.stats().tier("host").loaded_blocks == 2
+    with pytest.raises(InvalidRequest, match="no tier named"):
+        store.record_access(ns_id, old, "gpu")

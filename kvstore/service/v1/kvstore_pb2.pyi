@@ -128,6 +128,44 @@ class GetResponse(_message.Message):
     chunk: Chunk
     def __init__(self, header: _Optional[_Union[GetHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
 
+class GetSlotsRequest(_message.Message):
+    __slots__ = ("namespace_id", "block_hashes", "lease_ttl_s")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: bytes
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    lease_ttl_s: float
+    def __init__(self, namespace_id: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
+
+class Slot(_message.Message):
+    __slots__ = ("offset", "nbytes", "layer_checksums")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    LAYER_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    nbytes: int
+    layer_checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., layer_checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GetSlotsResponse(_message.Message):
+    __slots__ = ("requested_blocks", "hit_blocks", "segment_path", "slots", "lease_id", "lease_refused", "block_bytes")
+    REQUESTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_PATH_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_REFUSED_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    requested_blocks: int
+    hit_blocks: int
+    segment_path: str
+    slots: _containers.RepeatedCompositeFieldContainer[Slot]
+    lease_id: int
+    lease_refused: bool
+    block_bytes: int
+    def __init__(self, requested_blocks: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., segment_path: _Optional[str] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., lease_id: _Optional[int] = ..., lease_refused: _Optional[bool] = ..., block_bytes: _Optional[int] = ...) -> None: ...
+
 class PutHeader(_message.Message):
     __slots__ = ("namespace_id", "block_hashes", "parent", "block_bytes")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]

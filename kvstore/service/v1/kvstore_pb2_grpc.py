@@ -50,6 +50,11 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_service_dot_v1_dot_kvstore__pb2.GetRequest.SerializeToString,
                 response_deserializer=kvstore_dot_service_dot_v1_dot_kvstore__pb2.GetResponse.FromString,
                 _registered_method=True)
+        self.GetSlots = channel.unary_unary(
+                '/kvstore.v1.KVStore/GetSlots',
+                request_serializer=kvstore_dot_service_dot_v1_dot_kvstore__pb2.GetSlotsRequest.SerializeToString,
+                response_deserializer=kvstore_dot_service_dot_v1_dot_kvstore__pb2.GetSlotsResponse.FromString,
+                _registered_method=True)
         self.Put = channel.stream_unary(
                 '/kvstore.v1.KVStore/Put',
                 request_serializer=kvstore_dot_service_dot_v1_dot_kvstore__pb2.PutRequest.SerializeToString,
@@ -94,6 +99,17 @@ class KVStoreServicer:
         """Whole blocks, in order, stopping at the first the store cannot serve: one GetHeader, then
         the chunks of every served block. Ends the given lease once the store has the call (a call
         refused by a limit or a size check leaves it for a retry).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetSlots(self, request, context):
+        """Same-host fast path for Get: leases the hit like Lookup and returns where the leading run of
+        hit blocks held in the host tier lives inside its shared-memory segment. The caller maps
+        segment_path read-only, copies the slots, then ends the lease with Release (its bytes are
+        only guaranteed while the lease lives: a Release answering NOT_FOUND means it expired and the
+        copies must be discarded). Hit blocks past the slots (on disk) go through Get.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -144,6 +160,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Get,
                     request_deserializer=kvstore_dot_service_dot_v1_dot_kvstore__pb2.GetRequest.FromString,
                     response_serializer=kvstore_dot_service_dot_v1_dot_kvstore__pb2.GetResponse.SerializeToString,
+            ),
+            'GetSlots': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetSlots,
+                    request_deserializer=kvstore_dot_service_dot_v1_dot_kvstore__pb2.GetSlotsRequest.FromString,
+                    response_serializer=kvstore_dot_service_dot_v1_dot_kvstore__pb2.GetSlotsResponse.SerializeToString,
             ),
             'Put': grpc.stream_unary_rpc_method_handler(
                     servicer.Put,
@@ -248,6 +269,33 @@ class KVStore:
             '/kvstore.v1.KVStore/Get',
             kvstore_dot_service_dot_v1_dot_kvstore__pb2.GetRequest.SerializeToString,
             kvstore_dot_service_dot_v1_dot_kvstore__pb2.GetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetSlots(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/GetSlots',
+            kvstore_dot_service_dot_v1_dot_kvstore__pb2.GetSlotsRequest.SerializeToString,
+            kvstore_dot_service_dot_v1_dot_kvstore__pb2.GetSlotsResponse.FromString,
             options,
             channel_credentials,
             insecure,

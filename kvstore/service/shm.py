@@ -1,0 +1,122 @@
+"""The same-host fast path: blocks read straight out of the host tier's shared-memory segment.
+
+The host tier's arena is a file under /dev/shm (``HostTier.segment_path``). A client on the same
+host maps it read-only and copies a leased block's slot into its own buffer: one memcpy, no
+bytes through gRPC. Both ends live here:
+
+    server  leased_slots(store, ...) -> SlotGrant   lookup with a lease, then where each leading
+                                                     host-resident hit block sits in the segment
+    client  SegmentMaps.slot(path, offset, nbytes)   a read-only view of one slot (None: cannot map)
+
+Reach-in, on purpose: the store's public API has no "where does this block live" call, so
+``leased_slots`` takes ``store.lookup`` (public) and then reads the ``HostTier`` among
+``store.tiers`` (``slot_of``, ``meta``). That is safe only under the lease it just took: a pinned
+block is never evicted or removed, so its slot keeps its bytes until the lease ends. The lookup
+neither counts a load nor refreshes the policy's recency (``store.load`` does both).
+
+What this module does not know: anything about the wire (servicer.py and client.py translate),
+and whether the file a client maps is the server's: segment names carry the server's pid and a
+random suffix, and the per-layer checksums in each slot let a careful client verify.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from kvstore.store import TieredStore
+from kvstore.tiers.host import HostTier
+
+
+@dataclass(frozen=True)
+class Slot:
+    offset: int
+    nbytes: int
+    layer_checksums: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SlotGrant:
+    """A lease on the ``hit_blocks`` leading hit blocks; ``slots[i]`` locates hit block ``i`` for
+    ``i < len(slots)`` (the leading run held by the host tier). The holder must release the lease."""
+
+    requested_blocks: int
+    hit_blocks: int
+    segment_path: str
+    slots: tuple[Slot, ...]
+    lease_id: int | None
+    lease_refused: bool
+    block_bytes: int
+
+
+def host_tier(store: TieredStore) -> HostTier | None:
+    return next((t for t in store.tiers if isinstance(t, HostTier)), None)
+
+
+def leased_slots(store: TieredStore, ns_id: bytes, block_hashes: Sequence[bytes], lease_ttl_s: float) -> SlotGrant:
+    """Lease the hit of ``block_hashes`` and locate its leading host-tier run (reach-in: see above)."""
+    hit = store.lookup(ns_id, block_hashes, lease_ttl_s)
+    host = host_tier(store)
+    slots = []
+    if host is not None and hit.lease_id is not None:
+        for block_hash, tier in zip(block_hashes, hit.tiers):
+            key = ns_id + block_hash
+            where, meta = host.slot_of(key), host.meta(key)
+            if tier != host.name or where is None or meta is None:
+                break
+            slots.append(Slot(where[0], where[1], tuple(meta.checksums)))
+    if slots:  # the client copies these itself: keep the policy's recency and the load counters true
+        store.record_access(ns_id, block_hashes[: len(slots)], host.name)
+    return SlotGrant(len(block_hashes), hit.hit_blocks, host.segment_path if slots else "", tuple(slots),
+                     hit.lease_id, hit.lease_refused, store.spec(ns_id).block_bytes)
+
+
+class SegmentMaps:
+    """Read-only mappings of segment files, one per path, kept until ``close``. Thread-safe.
+
+    A path that cannot be opened or mapped (another host, another container's /dev/shm, no
+    permission) is remembered as unmappable, so the caller falls back to bytes once per path.
+    """
+
+    def __init__(self):
+        self._maps: dict[str, tuple[mmap.mmap, np.ndarray] | None] = {}
+        self._lock = threading.Lock()
+
+    def slot(self, path: str, offset: int, nbytes: int) -> np.ndarray | None:
+        """``[nbytes]`` uint8 read-only view of ``path`` at ``offset``; None if it cannot be mapped."""
+        with self._lock:
+            if path not in self._maps:
+                self._maps[path] = _map_read_only(path)
+            mapped = self._maps[path]
+        if mapped is None or offset + nbytes > mapped[1].nbytes:
+            return None
+        return mapped[1][offset : offset + nbytes]
+
+    def close(self) -> None:
+        with self._lock:
+            maps, self._maps = self._maps, {}
+        for mapped in maps.values():
+            if mapped is not None:
+                try:
+                    mapped[0].close()
+                except BufferError:
+                    pass  # a caller still holds a view; the mapping goes with the last reference
+
+
+def _map_read_only(path: str) -> tuple[mmap.mmap, np.ndarray] | None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        mapping = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+    except (OSError, ValueError):  # ValueError: an empty file
+        return None
+    finally:
+        os.close(fd)
+    return mapping, np.frombuffer(mapping, np.uint8)  # [segment bytes] read-only

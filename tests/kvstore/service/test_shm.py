@@ -1,0 +1,146 @@
+"""The same-host fast path end to end: GetSlots + a read-only mapping of the host tier's segment.
+
+A real server on port 0 over a real host + disk store. Whether a block came through the mapping
+or through Get shows in the host tier's ``loaded_blocks`` counter: only Get counts a load.
+"""
+
+from __future__ import annotations
+
+import os
+
+import grpc
+import numpy as np
+import pytest
+
+from kvstore.keys import Namespace
+from kvstore.layout import BlockSpec
+from kvstore.service.client import KVStoreClient
+from tests.conftest import payloads_for
+from tests.kvstore.service.test_service import rpc_error
+
+# Four 9,216-byte tiny blocks fill the host tier (12,288-byte slab slots): eviction is easy to cause.
+FOUR_BLOCK_HOST = dict(host_bytes=4 * 12288, page_bytes=4 * 12288, disk_bytes=4 << 20)
+
+
+def put_one_by_one(client, store, ns_id, hashes, payloads):
+    """Each block a chain head of its own (every one an eviction candidate), written through before the next."""
+    for block_hash, payload in zip(hashes, payloads):
+        client.put(ns_id, [block_hash], [payload])
+        store.flush()
+
+
+def zeros(spec: BlockSpec, count: int) -> list[np.ndarray]:
+    return [np.zeros(spec.block_bytes, np.uint8) for _ in range(count)]
+
+
+def host_loads(client) -> int:
+    return client.stats().tier("host").loaded_blocks
+
+
+@pytest.fixture
+def small(make_store, start_server):
+    store = make_store(**FOUR_BLOCK_HOST)
+    server = start_server(store)
+    with KVStoreClient(server.target, timeout_s=30) as client:
+        yield store, client
+
+
+def test_fast_path_get_is_byte_exact_and_moves_no_bytes_through_grpc(client, namespace, spec, chain):
+    ns_id = client.register_namespace(namespace)
+    payloads = payloads_for(spec, chain[:5])
+    client.put(ns_id, chain[:5], payloads)
+    dsts = zeros(spec, 6)
+    result = client.load_shm(ns_id, chain[:6], dsts, verify=True)
+    assert result.tiers == ("host",) * 5 and result.requested_blocks == 6 and result.nbytes == 5 * spec.block_bytes
+    assert all(np.array_equal(d, p) for d, p in zip(dsts, payloads))
+    assert not dsts[5].any(), "a block past the hit is untouched"
+    stats = client.stats()
+    # the client copied from the mapping: the tier itself read nothing, yet the reads were recorded
+    assert stats.tier("host").bytes_read == 0, "every block came through the mapping"
+    assert stats.tier("host").loaded_blocks == 5, "shared-memory reads count as loads (record_access)"
+    assert stats.leases_active == 0, "the lease was released"
+
+
+def test_fast_path_at_v32_block_size(client):
+    namespace = Namespace(model="deepseek-v3.2", model_config_hash="cfg", num_layers=61,
+                          components=("mla_fp8_ds", "indexer_fp8"), block_size=64)
+    spec = BlockSpec.of(namespace)
+    assert spec.block_bytes == 3_076_352
+    hashes = [bytes([i]) * 16 for i in range(1, 4)]
+    ns_id = client.register_namespace(namespace)
+    payloads = payloads_for(spec, hashes)
+    client.put(ns_id, hashes, payloads)
+    dsts = zeros(spec, 3)
+    assert client.load_shm(ns_id, hashes, dsts).tiers == ("host",) * 3
+    assert all(np.array_equal(d, p) for d, p in zip(dsts, payloads))
+
+
+def test_slots_stay_put_until_the_lease_is_released(small, namespace, spec, chain):
+    store, client = small
+    ns_id = client.register_namespace(namespace)
+    client.put(ns_id, chain[:1], payloads_for(spec, chain[:1]))
+    grant = client.get_slots(ns_id, chain[:1], lease_ttl_s=30)
+    assert grant.hit_blocks == 1 and len(grant.slots) == 1 and grant.lease_id is not None
+    assert grant.segment_path == store.tiers[0].segment_path
+    put_one_by_one(client, store, ns_id, chain[1:8], payloads_for(spec, chain[1:8]))  # twice the host tier
+    assert client.stats().tier("host").evictions >= 4, "the host tier was full and evicted"
+    assert store.tiers[0].slot_of(ns_id + chain[0]) == (grant.slots[0].offset, grant.slots[0].nbytes)
+    with open(grant.segment_path, "rb") as segment:
+        segment.seek(grant.slots[0].offset)
+        assert segment.read(spec.block_bytes) == payloads_for(spec, chain[:1])[0].tobytes(), "its bytes are intact"
+    client.release(grant.lease_id)
+    put_one_by_one(client, store, ns_id, chain[8:9], payloads_for(spec, chain[8:9]))
+    assert not store.tiers[0].contains(ns_id + chain[0]), "released, the least recently used block goes first"
+    store.check_integrity()
+
+
+def test_blocks_only_on_disk_come_through_get(small, namespace, spec, chain):
+    store, client = small
+    ns_id = client.register_namespace(namespace)
+    payloads = payloads_for(spec, chain[:8])
+    put_one_by_one(client, store, ns_id, chain[:8], payloads)  # host keeps the last four; disk has all eight
+    client.load(ns_id, chain[:2], zeros(spec, 2))  # promotes blocks 0 and 1 back into the host tier
+    assert client.lookup(ns_id, chain[:4]).tiers == ("host", "host", "disk", "disk")
+    before = client.stats().tier("disk").loaded_blocks
+    dsts = zeros(spec, 4)
+    result = client.load_shm(ns_id, chain[:4], dsts)
+    assert result.tiers == ("host", "host", "disk", "disk")
+    assert all(np.array_equal(d, p) for d, p in zip(dsts, payloads))
+    stats = client.stats()
+    assert stats.tier("disk").loaded_blocks - before == 2 and stats.leases_active == 0
+    store.flush()
+    store.check_integrity()
+
+
+def test_a_segment_that_cannot_be_mapped_falls_back_to_get(store, client, namespace, spec, chain):
+    ns_id = client.register_namespace(namespace)
+    payloads = payloads_for(spec, chain[:3])
+    client.put(ns_id, chain[:3], payloads)
+    path = store.tiers[0].segment_path
+    os.rename(path, path + ".elsewhere")  # as seen from another container: no such file
+    try:
+        dsts = zeros(spec, 3)
+        assert client.load_shm(ns_id, chain[:3], dsts).tiers == ("host",) * 3
+        assert all(np.array_equal(d, p) for d, p in zip(dsts, payloads))
+        stats = client.stats()
+        assert stats.tier("host").bytes_read == sum(p.nbytes for p in payloads[:3]), "every block came through Get"
+        assert stats.leases_active == 0
+    finally:
+        os.rename(path + ".elsewhere", path)
+
+
+def test_a_miss_takes_no_lease_and_a_bad_ttl_is_invalid(client, namespace, spec, chain):
+    ns_id = client.register_namespace(namespace)
+    dsts = zeros(spec, 2)
+    assert client.load_shm(ns_id, chain[:2], dsts).loaded_blocks == 0
+    assert client.stats().leases_active == 0
+    error = rpc_error(client.get_slots, ns_id, chain[:1], lease_ttl_s=0)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "lease_ttl_s must be positive" in error.details()
+
+
+def test_wrong_buffer_size_is_invalid_and_releases_the_lease(client, namespace, spec, chain):
+    ns_id = client.register_namespace(namespace)
+    client.put(ns_id, chain[:1], payloads_for(spec, chain[:1]))
+    with pytest.raises(Exception, match="destination buffer has 9215 bytes, expected exactly 9216"):
+        client.load_shm(ns_id, chain[:1], [np.zeros(spec.block_bytes - 1, np.uint8)])
+    assert client.stats().leases_active == 0
