@@ -14,13 +14,12 @@ CUDA pool would stage through pinned host memory: untested without a GPU).
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 from typing import Sequence
 
-import numpy as np
 import torch
 
+from connectors._pages import BackgroundLoad, SaveWriter, gather_blocks, host_view
 from connectors.base import ConnectorHit, KVConnector, LoadFailed, LoadHandle, PageBytes
 from kvstore.errors import UnknownLease
 from kvstore.keys import Namespace
@@ -28,57 +27,6 @@ from kvstore.store import TieredStore
 
 log = logging.getLogger(__name__)
 DEFAULT_LEASE_TTL_S = 60.0
-
-
-def _host_view(t: torch.Tensor) -> np.ndarray:
-    """Flat uint8 numpy view of a CPU tensor (a device tensor is copied to the host first)."""
-    if t.device.type != "cpu":
-        t = t.to("cpu", non_blocking=False)
-    return t.reshape(-1).view(torch.uint8).numpy()
-
-
-class _LayerwiseLoad(LoadHandle):
-    """Background copy of ``blocks`` blocks into pages, layer by layer."""
-
-    def __init__(self, connector: "StoreConnector", hit: ConnectorHit, hashes: Sequence[bytes],
-                 pages: Sequence[int], pool: PageBytes, lease_id: int | None):
-        self._connector, self._hit, self._pool = connector, hit, pool
-        self._hashes, self._pages, self._lease_id = list(hashes[: hit.blocks]), list(pages[: hit.blocks]), lease_id
-        self._num_layers = connector.spec.num_layers
-        self._done_layers = 0
-        self._failed: str | None = None
-        self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name=f"kv-load-{hit.request_id}", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        store, ns_id = self._connector.store, self._connector.ns_id
-        try:
-            for layer in range(self._num_layers):
-                for block_hash, page in zip(self._hashes, self._pages):
-                    target = self._pool.layer_page_bytes(layer, page)  # [layer_bytes] uint8
-                    if store.load_layer(ns_id, block_hash, layer, _host_view(target)) is None:
-                        raise LoadFailed(f"block {block_hash.hex()} layer {layer} could not be loaded")
-                with self._cond:
-                    self._done_layers = layer + 1
-                    self._cond.notify_all()
-        except Exception as exc:  # a failed load is a recompute, never a crash of the engine
-            log.warning("load for %s failed: %s", self._hit.request_id, exc)
-            with self._cond:
-                self._failed = str(exc)
-                self._cond.notify_all()
-        finally:
-            self._connector._end_lease(self._hit.request_id, self._lease_id)
-
-    def wait_layer(self, layer: int) -> None:
-        with self._cond:
-            self._cond.wait_for(lambda: self._done_layers > layer or self._failed is not None)
-            if self._done_layers <= layer:
-                raise LoadFailed(self._failed or "load failed")
-
-    def wait(self) -> int:
-        self._thread.join()
-        return len(self._hashes) if self._failed is None else 0
 
 
 class StoreConnector(KVConnector):
@@ -91,9 +39,8 @@ class StoreConnector(KVConnector):
         self.lease_ttl_s = lease_ttl_s
         self._leases: dict[str, int] = {}
         self._lock = threading.Lock()
-        self._saves: queue.Queue = queue.Queue()
-        self._writer = threading.Thread(target=self._write_saves, name="kv-save", daemon=True)
-        self._writer.start()
+        self._saves = SaveWriter(lambda hashes, payloads, parent: self.store.put(self.ns_id, hashes, payloads,
+                                                                                 parent=parent), logger=log)
 
     # ---- lookup side -------------------------------------------------------------------
 
@@ -114,20 +61,35 @@ class StoreConnector(KVConnector):
             raise ValueError(f"{hit.blocks} blocks to load but {len(pages)} pages and {len(block_hashes)} hashes")
         with self._lock:
             lease_id = self._leases.pop(hit.request_id, None)
-        return _LayerwiseLoad(self, hit, block_hashes, pages, pool, lease_id)
+        hashes, pages = list(block_hashes[: hit.blocks]), list(pages[: hit.blocks])
+
+        def copy_layer_major(layer_done) -> None:  # layer 0 of every block, then layer 1, ...
+            staging = None  # device pools: [blocks, layer_bytes] pinned host bytes, one row per block
+            for layer in range(self.spec.num_layers):
+                for i, (block_hash, page) in enumerate(zip(hashes, pages)):
+                    target = pool.layer_page_bytes(layer, page)  # [layer_bytes] uint8
+                    if target.device.type == "cpu":
+                        loaded = self.store.load_layer(self.ns_id, block_hash, layer, host_view(target))
+                    else:  # UNTESTED on a GPU: stage in pinned memory, copy without blocking the host
+                        if staging is None:
+                            staging = torch.empty((len(hashes), target.numel()), dtype=torch.uint8).pin_memory()
+                        loaded = self.store.load_layer(self.ns_id, block_hash, layer, staging[i].numpy())
+                        target.copy_(staging[i], non_blocking=True)
+                    if loaded is None:
+                        raise LoadFailed(f"block {block_hash.hex()} layer {layer} could not be loaded")
+                if staging is not None:
+                    torch.cuda.synchronize()  # the layer's copies have landed before the engine reads it
+                layer_done(layer + 1)
+
+        return BackgroundLoad(hit.request_id, len(hashes), self.spec.num_layers, copy_layer_major,
+                              lambda: self._end_lease(hit.request_id, lease_id), logger=log)
 
     def save(self, request_id: str, block_hashes: Sequence[bytes], pages: Sequence[int], pool: PageBytes,
              parent: bytes | None) -> None:
         if not block_hashes or self.read_only:
             return
-        payloads = []
-        for page in pages[: len(block_hashes)]:
-            payload = np.empty(self.spec.block_bytes, np.uint8)  # layer-major, as the store lays it out
-            for layer in range(self.spec.num_layers):
-                offset, size = self.spec.layer_range(layer)
-                payload[offset : offset + size] = _host_view(pool.layer_page_bytes(layer, page))
-            payloads.append(payload)
-        self._saves.put((list(block_hashes), payloads, parent))
+        payloads = gather_blocks(self.spec, pool, pages[: len(block_hashes)])  # layer-major, as the store lays it out
+        self._saves.put(block_hashes, payloads, parent)
 
     def release(self, request_id: str) -> None:
         with self._lock:
@@ -135,12 +97,10 @@ class StoreConnector(KVConnector):
         self._end_lease(request_id, lease_id)
 
     def flush(self) -> None:
-        self._saves.join()
+        self._saves.flush()
 
     def close(self) -> None:
-        self.flush()
-        self._saves.put(None)
-        self._writer.join()
+        self._saves.close()
 
     # ---- internals ---------------------------------------------------------------------
 
@@ -151,16 +111,3 @@ class StoreConnector(KVConnector):
             self.store.release(lease_id)
         except UnknownLease:
             pass  # expired meanwhile: nothing left to end
-
-    def _write_saves(self) -> None:
-        while True:
-            item = self._saves.get()
-            try:
-                if item is None:
-                    return
-                hashes, payloads, parent = item
-                self.store.put(self.ns_id, hashes, payloads, parent=parent)
-            except Exception:
-                log.exception("saving blocks to the store failed; they stay uncached")
-            finally:
-                self._saves.task_done()

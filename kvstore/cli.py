@@ -37,7 +37,7 @@ def _demo_config(args: argparse.Namespace):
     from engine_adapter.demo import DemoConfig
 
     sizes = dict(host_capacity=parse_size(args.host_capacity), disk_capacity=parse_size(args.disk_capacity),
-                 data_dir=args.data_dir, v32=args.v32)
+                 data_dir=args.data_dir, v32=args.v32, sidecar=args.sidecar)
     if args.long_prompt_tokens:
         sizes["long_prompt_tokens"] = args.long_prompt_tokens
     return DemoConfig.quick(**sizes) if args.quick else DemoConfig(**sizes)
@@ -127,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
         demo.add_argument("--data-dir", help="store directory (default: a fresh temporary directory)")
         demo.add_argument("--host-capacity", default="512MiB", help="host tier size (default 512MiB)")
         demo.add_argument("--disk-capacity", default="4GiB", help="disk tier size (default 4GiB)")
+        demo.add_argument("--sidecar", default=os.environ.get("KVSTORE_SIDECAR"),
+                          help="use a running `kvstore serve` (HOST:PORT or unix:PATH; env KVSTORE_SIDECAR) "
+                               "instead of an in-process store; the data-dir and capacity flags then do nothing")
         demo.set_defaults(func=_cmd_demo)
 
     bench = sub.add_parser("bench", help="bandwidth and lookup benchmark with ceilings from the same run")

@@ -28,3 +28,24 @@ def test_v32_quick_demo_with_hits_longer_than_index_topk(tmp_path):
     topk = result["model_config"]["index_topk"]
     assert result["long_prompt"]["cached_tokens"] > topk  # the indexer keys came back with the latents
     assert result["outputs_identical"] is True
+
+
+def test_quick_demo_against_a_sidecar_reuses_the_same_and_matches_cold_runs(make_store):
+    from tests.connectors.sidecar_server import Sidecar
+
+    sidecar = Sidecar(make_store(host_bytes=64 << 20, page_bytes=256 << 10, disk_bytes=64 << 20, segment_bytes=4 << 20))
+    try:
+        lines = []
+        result = run_demo(DemoConfig.quick(sidecar=sidecar.target), lines.append)
+    finally:
+        sidecar.stop()
+    rows = {r["request"]: r for r in result["requests"]}
+    assert result["outputs_identical"] is True
+    assert rows["chat 0.0"]["reused_tokens"] == 0 and rows["chat 1.0"]["reused_tokens"] == 128
+    assert any("host" in r["reused_from"] for r in result["requests"] if r["request"].startswith("chat"))
+    assert [rows[f"long {k}"]["reused_tokens"] for k in ("cold", "resident", "host")] == [0, 896, 896]
+    assert rows["long host"]["reused_from"] == "host 896", "tier figures come from the sidecar's stats"
+    assert "long disk" not in rows and result["ttft_disk_hit_s"] is None
+    assert any(f"the sidecar at {sidecar.target}" in line for line in lines)
+    assert any("skipped" in line for line in lines)
+    assert sidecar.store.stats().stored_blocks > 0, "the engine's blocks live in the sidecar's store"

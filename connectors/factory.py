@@ -1,0 +1,56 @@
+"""Pick the engine's connector by configuration alone.
+
+    KVSTORE_SIDECAR=127.0.0.1:50551   (or unix:/run/kvstore.sock)  -> SidecarConnector to that sidecar
+    unset                                                          -> StoreConnector over an in-process store
+
+An explicit ``sidecar`` argument (a ``--sidecar ADDRESS`` flag) wins over the variable. Without a
+sidecar, ``store`` is used when given; otherwise a store is opened from ``StoreConfig.from_env``
+and the connector closes it on ``close``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Mapping
+
+from connectors.base import KVConnector
+from connectors.store_connector import StoreConnector
+from kvstore.config import ENV_PREFIX
+from kvstore.keys import Namespace
+
+SIDECAR_ENV = ENV_PREFIX + "SIDECAR"
+
+
+def sidecar_address(sidecar: str | None = None, environ: Mapping[str, str] | None = None) -> str | None:
+    """The sidecar to use: ``sidecar`` if given, else ``$KVSTORE_SIDECAR``; None (or empty): in-process."""
+    env = os.environ if environ is None else environ
+    return sidecar or env.get(SIDECAR_ENV) or None
+
+
+def connector_from_config(namespace: Namespace, *, sidecar: str | None = None, store=None,
+                          environ: Mapping[str, str] | None = None, **options) -> KVConnector:
+    """A ``SidecarConnector`` when a sidecar address is configured, else a ``StoreConnector``.
+
+    ``options`` go to the connector (``lease_ttl_s``, ``read_only``; for a sidecar also ``timeout_s``
+    and ``limits``)."""
+    address = sidecar_address(sidecar, environ)
+    if address:
+        # grpc loads only for a sidecar
+        from connectors.sidecar_connector import SidecarConnector
+
+        return SidecarConnector(address, namespace, **options)
+    if store is not None:
+        return StoreConnector(store, namespace, **options)
+    from kvstore.config import StoreConfig
+
+    return OwningStoreConnector(StoreConfig.from_env(environ).open_store(), namespace, **options)
+
+
+class OwningStoreConnector(StoreConnector):
+    """A ``StoreConnector`` that opened its own store and closes it with itself."""
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self.store.close()

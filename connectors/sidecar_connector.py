@@ -1,0 +1,211 @@
+"""The client connector: the same ``KVConnector`` as ``StoreConnector``, over the gRPC sidecar.
+
+Several engine processes on one host each hold a ``SidecarConnector`` to the same sidecar
+(``kvstore serve``) and so share one store: what one engine saves, another loads.
+
+    connector = SidecarConnector("127.0.0.1:50551", namespace)   # or "unix:/run/kvstore.sock"
+
+How each side maps onto the sidecar's calls (``KVStoreClient``, the bytes path):
+
+- ``lookup``: one ``Lookup`` with a lease (at most ``max_lookup_blocks`` hashes: a longer prompt
+  is looked up by its first ones, the hit is a prefix anyway).
+- ``start_load``: a background thread fetches the hit's whole blocks with ``Get`` calls of at most
+  ``max_transfer_blocks`` blocks into one reused set of host buffers, and copies each batch into
+  the engine's pages. Layers cannot arrive before whole blocks (``Get`` moves whole blocks), so
+  per-layer readiness is signalled while the *last* batch is copied into its pages layer by layer:
+  ``wait_layer(l)`` returns once layer ``l`` of every block sits in its page, exactly as with
+  ``StoreConnector``; host memory stays bounded by one batch however long the hit. Only the last
+  ``Get`` carries the lease (the server ends a lease with the call that names it), so every block
+  stays pinned until it is fetched; a load that fails releases the lease itself.
+- ``save``: gathers the pages into payloads before returning (like ``StoreConnector``), then a
+  background writer sends them with ``Put`` calls of at most ``max_transfer_blocks`` blocks.
+
+A sidecar that is down, restarting or refusing never crashes the engine: ``lookup`` returns a
+0-block hit, a load fails with ``LoadFailed`` (the engine recomputes), a save is logged and
+dropped. The namespace is registered lazily and again after ``NOT_FOUND`` (a restarted sidecar).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from functools import partial
+from typing import Sequence
+
+import grpc
+import numpy as np
+
+from connectors._pages import BackgroundLoad, SaveWriter, gather_blocks, scatter_layer
+from connectors.base import ConnectorHit, KVConnector, LoadFailed, LoadHandle, PageBytes
+from connectors.store_connector import DEFAULT_LEASE_TTL_S
+from kvstore.keys import Namespace
+from kvstore.layout import BlockSpec
+from kvstore.service.client import KVStoreClient
+from kvstore.service.limits import ServiceLimits
+
+log = logging.getLogger(__name__)
+DEFAULT_TIMEOUT_S = 30.0
+
+
+class SidecarConnector(KVConnector):
+    def __init__(self, sidecar: str | KVStoreClient, namespace: Namespace, lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
+                 read_only: bool = False, timeout_s: float | None = DEFAULT_TIMEOUT_S,
+                 limits: ServiceLimits = ServiceLimits()):
+        """``sidecar``: ``HOST:PORT``, ``unix:PATH`` or a client (then the caller closes it).
+        ``limits`` must match the sidecar's (transfer batch size, chunk and message sizes)."""
+        self._owns_client = not isinstance(sidecar, KVStoreClient)
+        self.client = KVStoreClient(sidecar, timeout_s=timeout_s, limits=limits) if self._owns_client else sidecar
+        self.target = sidecar if self._owns_client else None
+        self.namespace = namespace
+        self.ns_id = namespace.id  # the store's id of a namespace is its content hash
+        self.spec = BlockSpec.of(namespace)
+        self.read_only = read_only  # load hits but never save or demote
+        self.lease_ttl_s = lease_ttl_s
+        self.limits = limits
+        self._batch = limits.max_transfer_blocks
+        self._registered = False
+        self._available = True  # last call reached the sidecar (for logging state changes once)
+        self._leases: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._saves = SaveWriter(self._put, "saving blocks to the sidecar failed; they stay uncached", logger=log)
+        try:
+            self._ensure_registered()
+        except Exception as exc:
+            self._unavailable("register the namespace", exc)
+
+    # ---- lookup side -------------------------------------------------------------------
+
+    def lookup(self, request_id: str, block_hashes: Sequence[bytes]) -> ConnectorHit:
+        self.release(request_id)
+        hashes = list(block_hashes[: self.limits.max_lookup_blocks])
+        try:
+            result = self._call(lambda: self.client.lookup(self.ns_id, hashes, lease_ttl_s=self.lease_ttl_s))
+        except Exception as exc:
+            self._unavailable("look up", exc)
+            return ConnectorHit(request_id, 0, self.spec.block_size, ())
+        if result.lease_id is not None:
+            with self._lock:
+                self._leases[request_id] = result.lease_id
+        blocks = result.hit_blocks if result.lease_id is not None or not result.hit_blocks else 0
+        return ConnectorHit(request_id, blocks, self.spec.block_size, tuple(result.tiers[:blocks]))
+
+    # ---- transfer side -----------------------------------------------------------------
+
+    def start_load(self, hit: ConnectorHit, block_hashes: Sequence[bytes], pages: Sequence[int],
+                   pool: PageBytes) -> LoadHandle:
+        if len(pages) < hit.blocks or len(block_hashes) < hit.blocks:
+            raise ValueError(f"{hit.blocks} blocks to load but {len(pages)} pages and {len(block_hashes)} hashes")
+        with self._lock:
+            lease_id = self._leases.pop(hit.request_id, None)
+        hashes, pages = list(block_hashes[: hit.blocks]), list(pages[: hit.blocks])
+        loaded = threading.Event()
+
+        def fetch_and_copy(layer_done) -> None:
+            buffers = [np.empty(self.spec.block_bytes, np.uint8) for _ in range(min(self._batch, len(hashes)))]
+            for start in range(0, len(hashes), self._batch):
+                batch, batch_pages = hashes[start : start + self._batch], pages[start : start + self._batch]
+                last = start + self._batch >= len(hashes)
+                dsts = buffers[: len(batch)]
+                result = self.client.load(self.ns_id, batch, dsts, lease_id if last else None)
+                if result.loaded_blocks < len(batch):
+                    missing = batch[result.loaded_blocks]
+                    raise LoadFailed(f"block {missing.hex()} could not be loaded from the sidecar")
+                for layer in range(self.spec.num_layers):
+                    for page, payload in zip(batch_pages, dsts):
+                        scatter_layer(self.spec, pool, layer, page, payload)
+                    if last:  # whole blocks arrive per Get: the last batch signals layer by layer
+                        layer_done(layer + 1)
+            loaded.set()
+
+        def finish() -> None:  # a Get naming the lease ended it; after a failure end it ourselves
+            if not loaded.is_set():
+                self._end_lease(lease_id)
+
+        return BackgroundLoad(hit.request_id, len(hashes), self.spec.num_layers, fetch_and_copy, finish, logger=log)
+
+    def save(self, request_id: str, block_hashes: Sequence[bytes], pages: Sequence[int], pool: PageBytes,
+             parent: bytes | None) -> None:
+        if not block_hashes or self.read_only:
+            return
+        self._saves.put(block_hashes, gather_blocks(self.spec, pool, pages[: len(block_hashes)]), parent)
+
+    def release(self, request_id: str) -> None:
+        with self._lock:
+            lease_id = self._leases.pop(request_id, None)
+        self._end_lease(lease_id)
+
+    def flush(self) -> None:
+        self._saves.flush()
+
+    def close(self) -> None:
+        self._saves.close()
+        with self._lock:
+            leases, self._leases = list(self._leases.values()), {}
+        for lease_id in leases:
+            self._end_lease(lease_id)
+        if self._owns_client:
+            self.client.close()
+
+    def stats(self):
+        """The sidecar's ``StoreStats`` (raises ``grpc.RpcError`` if it cannot be reached)."""
+        return self.client.stats()
+
+    # ---- internals ---------------------------------------------------------------------
+
+    def _put(self, hashes: list[bytes], payloads: list[np.ndarray], parent: bytes | None) -> None:
+        for start in range(0, len(hashes), self._batch):
+            batch = slice(start, start + self._batch)
+            batch_parent = parent if start == 0 else hashes[start - 1]
+            self._call(partial(self.client.put, self.ns_id, hashes[batch], payloads[batch], parent=batch_parent))
+
+    def _ensure_registered(self) -> None:
+        if not self._registered:
+            ns_id = self.client.register_namespace(self.namespace)
+            if ns_id != self.ns_id:
+                raise RuntimeError(f"the sidecar registered namespace {self.namespace.model} as {ns_id.hex()}, "
+                                   f"expected {self.ns_id.hex()}")
+            self._registered = True
+
+    def _call(self, fn):
+        """``fn()`` with the namespace registered; once more after a NOT_FOUND (a restarted sidecar
+        that no longer knows it). Marks the sidecar available again on success."""
+        self._ensure_registered()
+        try:
+            result = fn()
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.NOT_FOUND:
+                raise
+            self._registered = False
+            self._ensure_registered()
+            result = fn()
+        if not self._available:
+            log.info("the kvstore sidecar %s is reachable again", self.target or "")
+            self._available = True
+        return result
+
+    def _unavailable(self, what: str, exc: Exception) -> None:
+        if isinstance(exc, grpc.RpcError):
+            self._registered = self._registered and exc.code() != grpc.StatusCode.UNAVAILABLE
+        if self._available:
+            log.warning("cannot %s on the kvstore sidecar %s (%s); serving without it until it answers",
+                        what, self.target or "", _describe(exc))
+            self._available = False
+        else:
+            log.debug("cannot %s on the kvstore sidecar: %s", what, _describe(exc))
+
+    def _end_lease(self, lease_id: int | None) -> None:
+        if lease_id is None:
+            return
+        try:
+            self.client.release(lease_id)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.NOT_FOUND:  # NOT_FOUND: expired or ended meanwhile
+                log.debug("releasing lease %d on the sidecar failed: %s", lease_id, _describe(exc))
+        except Exception as exc:
+            log.debug("releasing lease %d on the sidecar failed: %s", lease_id, exc)
+
+
+def _describe(exc: Exception) -> str:
+    if isinstance(exc, grpc.RpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return str(exc) or type(exc).__name__

@@ -1,0 +1,41 @@
+"""A real sidecar for connector and engine tests: ``create_server`` over a real store, on its own
+event loop in a background thread (as another process would run it), on port 0 or a unix socket."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+
+from kvstore.service.limits import ServiceLimits
+from kvstore.service.server import create_server
+
+
+class Sidecar:
+    def __init__(self, store, limits: ServiceLimits = ServiceLimits(), address: str = "127.0.0.1:0"):
+        self.store = store
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="sidecar-loop", daemon=True)
+        self._thread.start()
+        self.server, port = self._run(create_server(address, store, limits))
+        self._run(self.server.start())
+        self.target = address if address.startswith("unix:") else f"127.0.0.1:{port}"
+
+    def _run(self, coro, timeout: float = 30):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        if self.loop.is_closed():
+            return
+        self._run(self.server.stop(grace=1))
+        self._run(self.loop.shutdown_default_executor())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.loop.close()
+
+
+def unused_address() -> str:
+    """A loopback address nothing listens on (a sidecar that is down)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"

@@ -1,0 +1,206 @@
+"""SidecarConnector against a real sidecar (grpc.aio server over a real host + disk store).
+
+Each connector has its own client, as each engine process would: what one saves, another loads.
+"""
+
+import logging
+import tempfile
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from connectors.base import ConnectorHit, LoadFailed
+from connectors.factory import OwningStoreConnector, connector_from_config
+from connectors.sidecar_connector import SidecarConnector
+from connectors.store_connector import StoreConnector
+from kvstore.keys import namespace_hashes
+from kvstore.service.limits import ServiceLimits
+from tests.connectors.sidecar_server import Sidecar, unused_address
+from tests.connectors.test_store_connector import NS, SPEC, BytePool
+
+
+@pytest.fixture
+def sidecars():
+    started = []
+
+    def start(store, **kw) -> Sidecar:
+        started.append(Sidecar(store, **kw))
+        return started[-1]
+
+    yield start
+    for sidecar in started:
+        sidecar.stop()
+
+
+@pytest.fixture
+def connectors():
+    made = []
+
+    def make(*args, **kw) -> SidecarConnector:
+        made.append(SidecarConnector(*args, **kw))
+        return made[-1]
+
+    yield make
+    for connector in made:
+        connector.close()
+
+
+@pytest.fixture
+def hashes():
+    return namespace_hashes(NS, np.arange(4 * 6))  # 6 blocks
+
+
+def test_what_one_engine_saves_another_loads_layer_by_layer_byte_exact(make_store, sidecars, connectors, hashes):
+    store = make_store()
+    sidecar = sidecars(store)
+    producer, consumer = connectors(sidecar.target, NS), connectors(sidecar.target, NS)
+    assert producer.client is not consumer.client
+    source = BytePool(8, seed=1)
+    producer.save("a", hashes, [2, 3, 4, 5, 6, 7], source, parent=None)
+    producer.flush()
+    assert store.stats().stored_blocks == 6
+
+    hit = consumer.lookup("b", hashes)
+    assert hit.blocks == 6 and hit.tokens == 24 and set(hit.tiers) == {"host"}
+    assert store.stats().leases_active == 1
+    target = BytePool(8)
+    handle = consumer.start_load(hit, hashes, [7, 6, 5, 4, 3, 2], target)
+    for layer in range(SPEC.num_layers):
+        handle.wait_layer(layer)
+        for src_page, dst_page in zip([2, 3, 4, 5, 6, 7], [7, 6, 5, 4, 3, 2]):
+            assert torch.equal(target.layer_page_bytes(layer, dst_page), source.layer_page_bytes(layer, src_page))
+    assert handle.wait() == 6
+    assert store.stats().leases_active == 0, "the load ends the lookup's lease"
+    assert store.stats().tier("host").loaded_blocks >= 6
+
+
+def test_long_saves_and_loads_are_split_at_the_transfer_limit(make_store, sidecars, connectors):
+    limits = ServiceLimits(max_transfer_blocks=4, max_lookup_blocks=8)
+    store = make_store()
+    sidecar = sidecars(store, limits=limits)
+    hashes = namespace_hashes(NS, np.arange(4 * 10))  # 10 blocks: Put and Get calls of 4 + 4 + 2
+    producer, consumer = connectors(sidecar.target, NS, limits=limits), connectors(sidecar.target, NS, limits=limits)
+    source = BytePool(10, seed=2)
+    producer.save("a", hashes, range(10), source, parent=None)
+    producer.flush()
+    assert store.stats().stored_blocks == 10 and store.stats().puts == 3
+
+    hit = consumer.lookup("b", hashes)
+    assert hit.blocks == 8, "a lookup past max_lookup_blocks is cut to a prefix, not refused"
+    target = BytePool(10)
+    handle = consumer.start_load(hit, hashes, range(8), target)
+    handle.wait_layer(SPEC.num_layers - 1)
+    assert handle.wait() == 8
+    for layer in range(SPEC.num_layers):
+        assert torch.equal(target.layers[layer][:8], source.layers[layer][:8])
+        assert not target.layers[layer][8:].any()
+    assert store.stats().leases_active == 0
+
+
+def test_a_sidecar_that_is_down_is_a_miss_and_a_failed_load_never_an_exception(connectors, hashes, caplog):
+    with caplog.at_level(logging.WARNING):
+        connector = connectors(unused_address(), NS, timeout_s=5)
+        assert connector.lookup("a", hashes).blocks == 0
+        assert connector.lookup("a", hashes).blocks == 0
+        connector.save("a", hashes[:2], [0, 1], BytePool(2, seed=3), parent=None)
+        connector.flush()  # logged and dropped
+        handle = connector.start_load(ConnectorHit("a", 2, NS.block_size, ("host", "host")), hashes, [0, 1], BytePool(2))
+        with pytest.raises(LoadFailed):
+            handle.wait_layer(0)
+        assert handle.wait() == 0
+        connector.release("a")
+    assert sum("serving without it" in r.getMessage() for r in caplog.records) == 1, "one warning, not one per call"
+
+
+def test_a_sidecar_that_dies_after_the_lookup_fails_the_load(make_store, sidecars, connectors, hashes):
+    sidecar = sidecars(make_store())
+    connector = connectors(sidecar.target, NS, timeout_s=5)
+    connector.save("a", hashes[:3], [0, 1, 2], BytePool(3, seed=4), parent=None)
+    connector.flush()
+    hit = connector.lookup("b", hashes)
+    assert hit.blocks == 3
+    sidecar.stop()
+    handle = connector.start_load(hit, hashes, [0, 1, 2], BytePool(3))
+    with pytest.raises(LoadFailed):
+        handle.wait_layer(SPEC.num_layers - 1)
+    assert handle.wait() == 0
+    assert connector.lookup("c", hashes).blocks == 0
+
+
+def test_a_restarted_sidecar_is_used_again_and_gets_the_namespace_again(make_store, sidecars, connectors, hashes):
+    address = f"unix:{tempfile.mkdtemp(prefix='kvs-')}/sidecar.sock"
+    first = sidecars(make_store(), address=address)
+    connector = connectors(address, NS, timeout_s=5)
+    connector.save("a", hashes[:2], [0, 1], BytePool(2, seed=5), parent=None)
+    connector.flush()
+    assert connector.lookup("b", hashes).blocks == 2
+    connector.release("b")
+    first.stop()
+    assert connector.lookup("c", hashes).blocks == 0
+    fresh_store = make_store(disk_bytes=None)  # a new store that never heard of the namespace
+    sidecars(fresh_store, address=address)
+    source = BytePool(3, seed=6)
+    deadline = time.monotonic() + 20
+    while fresh_store.stats().stored_blocks < 3 and time.monotonic() < deadline:  # the channel reconnects
+        connector.save("d", hashes[:3], [0, 1, 2], source, parent=None)
+        connector.flush()
+        time.sleep(0.2)
+    assert fresh_store.stats().stored_blocks == 3 and len(fresh_store.namespaces()) == 1
+    hit = connector.lookup("e", hashes)
+    target = BytePool(3)
+    assert hit.blocks == 3 and connector.start_load(hit, hashes, [0, 1, 2], target).wait() == 3
+    assert all(torch.equal(target.layers[l], source.layers[l]) for l in range(SPEC.num_layers))
+
+
+def test_lookup_replaces_the_previous_lease_and_release_is_idempotent(make_store, sidecars, connectors, hashes):
+    store = make_store()
+    connector = connectors(sidecars(store).target, NS)
+    connector.save("a", hashes[:2], [0, 1], BytePool(2, seed=7), parent=None)
+    connector.flush()
+    connector.lookup("r", hashes)
+    connector.lookup("r", hashes)
+    assert store.stats().leases_active == 1
+    connector.release("r")
+    connector.release("r")
+    assert store.stats().leases_active == 0
+    connector.lookup("s", hashes)
+    connector.close()
+    assert store.stats().leases_active == 0, "close ends the leases still held"
+
+
+def test_a_read_only_connector_loads_but_never_saves_or_demotes(make_store, sidecars, connectors, hashes):
+    store = make_store()
+    target = sidecars(store).target
+    writer = connectors(target, NS)
+    writer.save("a", hashes[:2], [0, 1], BytePool(2, seed=8), parent=None)
+    writer.flush()
+    reader = connectors(target, NS, read_only=True)
+    reader.save("b", hashes[2:4], [0, 1], BytePool(2, seed=9), parent=hashes[1])
+    reader.demote(hashes[4], 0, BytePool(1, seed=10), parent=hashes[3])
+    reader.flush()
+    assert store.stats().stored_blocks == 2
+    hit = reader.lookup("c", hashes)
+    assert hit.blocks == 2 and reader.start_load(hit, hashes, [0, 1], BytePool(2)).wait() == 2
+    writer.demote(hashes[2], 1, BytePool(2, seed=11), parent=hashes[1])
+    writer.flush()
+    assert store.stats().stored_blocks == 3, "a demoted page becomes a block in the sidecar"
+
+
+def test_configuration_alone_picks_the_connector(make_store, sidecars, tmp_path):
+    store = make_store()
+    sidecar = sidecars(store)
+    chosen = connector_from_config(NS, store=store, environ={"KVSTORE_SIDECAR": sidecar.target})
+    assert isinstance(chosen, SidecarConnector) and chosen.target == sidecar.target
+    chosen.close()
+    explicit = connector_from_config(NS, sidecar=sidecar.target, environ={})
+    assert isinstance(explicit, SidecarConnector)
+    explicit.close()
+    in_process = connector_from_config(NS, store=store, environ={"KVSTORE_SIDECAR": ""})
+    assert type(in_process) is StoreConnector and in_process.store is store
+    in_process.close()
+    owning = connector_from_config(NS, environ={"KVSTORE_HOST_CAPACITY": "0", "KVSTORE_DISK_PATH": str(tmp_path / "d"),
+                                                "KVSTORE_DISK_CAPACITY": "8MiB"})
+    assert isinstance(owning, OwningStoreConnector)
+    owning.close()
