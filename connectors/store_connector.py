@@ -17,9 +17,10 @@ import logging
 import threading
 from typing import Sequence
 
+import numpy as np
 import torch
 
-from connectors._pages import BackgroundLoad, SaveWriter, gather_blocks, host_view
+from connectors._pages import BackgroundLoad, SaveWriter, gather_blocks, host_view, scatter_layer
 from connectors.base import ConnectorHit, KVConnector, LoadFailed, LoadHandle, PageBytes
 from kvstore.errors import UnknownLease
 from kvstore.keys import Namespace
@@ -63,10 +64,19 @@ class StoreConnector(KVConnector):
             lease_id = self._leases.pop(hit.request_id, None)
         hashes, pages = list(block_hashes[: hit.blocks]), list(pages[: hit.blocks])
 
+        top_tier = self.store.tiers[0].name
+        below_top = [i for i, tier in enumerate(hit.tiers[: len(hashes)]) if tier != top_tier]
+
         def copy_layer_major(layer_done) -> None:  # layer 0 of every block, then layer 1, ...
+            # Blocks below the top tier (disk) are read whole first: one large verified read per
+            # block instead of a small read per layer (which is latency-bound on a disk).
+            whole = {i: self._read_whole(hashes[i]) for i in below_top}
             staging = None  # device pools: [blocks, layer_bytes] pinned host bytes, one row per block
             for layer in range(self.spec.num_layers):
                 for i, (block_hash, page) in enumerate(zip(hashes, pages)):
+                    if i in whole:
+                        scatter_layer(self.spec, pool, layer, page, whole[i])
+                        continue
                     target = pool.layer_page_bytes(layer, page)  # [layer_bytes] uint8
                     if target.device.type == "cpu":
                         loaded = self.store.load_layer(self.ns_id, block_hash, layer, host_view(target))
@@ -83,6 +93,13 @@ class StoreConnector(KVConnector):
 
         return BackgroundLoad(hit.request_id, len(hashes), self.spec.num_layers, copy_layer_major,
                               lambda: self._end_lease(hit.request_id, lease_id), logger=log)
+
+    def _read_whole(self, block_hash: bytes) -> np.ndarray:
+        """One block's verified payload [block_bytes] uint8, read in one piece."""
+        payload = np.empty(self.spec.block_bytes, np.uint8)
+        if not self.store.load(self.ns_id, [block_hash], [payload]).complete:
+            raise LoadFailed(f"block {block_hash.hex()} could not be loaded")
+        return payload
 
     def save(self, request_id: str, block_hashes: Sequence[bytes], pages: Sequence[int], pool: PageBytes,
              parent: bytes | None) -> None:

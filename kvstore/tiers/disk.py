@@ -38,6 +38,7 @@ from rocksdict import Options, Rdict, WriteBatch, WriteOptions
 from kvstore.checksum import layers_match
 from kvstore.errors import InvalidRequest, StoreClosed
 from kvstore.tiers.base import KEY_BYTES, BlockMeta, Tier, TierStats
+from kvstore.tiers.direct_io import open_direct, read_direct
 from kvstore.tiers.segment import (
     HEADER_BYTES, MAX_LAYERS, RecordHeader, footprint, punch_hole, scan_segment, start_writeback,
 )
@@ -83,14 +84,17 @@ class _Segment:
         self.id = segment_id
         self.path = path
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        self.direct_fd = open_direct(path)  # None where the file system has no O_DIRECT
         self.live_bytes = 0
         self.dead_bytes = 0  # removed but not reclaimable (no hole punching)
         self.dirty = False
 
     def __del__(self) -> None:
-        fd, self.fd = getattr(self, "fd", -1), -1
-        if fd >= 0:
-            os.close(fd)
+        for name in ("fd", "direct_fd"):
+            fd = getattr(self, name, None)
+            setattr(self, name, None)
+            if fd is not None and fd >= 0:
+                os.close(fd)
 
 
 def _segment_name(segment_id: int) -> str:
@@ -335,15 +339,16 @@ class DiskTier(Tier):
         count = entry.num_layers - first_layer if num_layers is None else num_layers
         layer_bytes = entry.nbytes // entry.num_layers
         assert dst.nbytes == count * layer_bytes, "destination size checked by the store (bug)"
-        header_page = np.empty(HEADER_BYTES, np.uint8)
+        start = entry.offset + HEADER_BYTES + first_layer * layer_bytes
         try:
             if segment is None or os.fstat(segment.fd).st_nlink == 0:
                 raise FileNotFoundError(f"segment {entry.segment} is gone")
-            if first_layer == 0 and count == entry.num_layers:
-                complete = os.preadv(segment.fd, [header_page, dst], entry.offset) == HEADER_BYTES + dst.nbytes
+            if segment.direct_fd is not None:
+                header_page, data = self._read_direct(segment.direct_fd, entry.offset, start, dst.nbytes)
+                complete = header_page.nbytes == HEADER_BYTES and data.nbytes == dst.nbytes
             else:
+                header_page, data = np.empty(HEADER_BYTES, np.uint8), dst
                 complete = os.preadv(segment.fd, [header_page], entry.offset) == HEADER_BYTES
-                start = entry.offset + HEADER_BYTES + first_layer * layer_bytes
                 complete = complete and os.preadv(segment.fd, [dst], start) == dst.nbytes
         except OSError as exc:
             self._counters["io_errors"] += 1
@@ -352,13 +357,25 @@ class DiskTier(Tier):
             return False
         header = RecordHeader.decode(header_page) if complete else None
         if not (header and header.key == key and header.nbytes == entry.nbytes
-                and layers_match(dst, header.checksums[first_layer : first_layer + count])):
+                and layers_match(data, header.checksums[first_layer : first_layer + count])):
             self._counters["checksum_failures"] += 1
             log.warning("disk tier %s: block failed verification; dropped", self.path)
             self.remove(key)
             return False
+        if data is not dst:
+            np.copyto(dst, data)  # verified bytes only ever reach the caller
         self._counters["bytes_read"] += dst.nbytes
         return True
+
+    @staticmethod
+    def _read_direct(fd: int, header_at: int, data_at: int, nbytes: int) -> tuple[np.ndarray, np.ndarray]:
+        """Header page and ``nbytes`` at ``data_at`` via O_DIRECT: one read when they are adjacent
+        (a whole block), else two (one layer), the header copied out of the bounce buffer first."""
+        if data_at == header_at + HEADER_BYTES:
+            span = read_direct(fd, header_at, HEADER_BYTES + nbytes)
+            return span[:HEADER_BYTES], span[HEADER_BYTES:]
+        header_page = read_direct(fd, header_at, HEADER_BYTES).copy()
+        return header_page, read_direct(fd, data_at, nbytes)
 
     def _read_header(self, entry: _Entry) -> RecordHeader | None:
         segment = self._segments.get(entry.segment)
