@@ -7,6 +7,7 @@ environment, the environment overrides defaults)::
     KVSTORE_DISK_PATH=/var/lib/kvstore
     KVSTORE_DISK_CAPACITY=200GiB    disk tier bytes ("0" disables it; default: auto)
     KVSTORE_DURABLE=1               acknowledge a disk write only after fsync
+    KVSTORE_DIRECT_READS=1          disk tier reads with O_DIRECT (default: buffered)
     KVSTORE_POLICY=reuse_arc
     KVSTORE_WRITE_POLICY=write_through | on_eviction
     KVSTORE_PROMOTE_ON_HIT=1
@@ -81,6 +82,7 @@ class DiskConfig:
     capacity_bytes: int | None = None  # None: auto
     segment_bytes: int = 256 << 20
     durable: bool = False
+    direct_reads: bool = False  # O_DIRECT reads: no page-cache double caching, no warm page-cache hits
 
     def resolved_capacity(self) -> int:
         if self.capacity_bytes is not None:
@@ -126,6 +128,8 @@ class StoreConfig:
             disk.capacity_bytes = parse_size(env["DISK_CAPACITY"])
         if "DURABLE" in env:
             disk.durable = _parse_bool(env["DURABLE"])
+        if "DIRECT_READS" in env:
+            disk.direct_reads = _parse_bool(env["DIRECT_READS"])
         for name, key, convert in (("policy", "POLICY", str), ("write_policy", "WRITE_POLICY", str),
                                    ("promote_on_hit", "PROMOTE_ON_HIT", _parse_bool),
                                    ("lease_ttl_s", "LEASE_TTL_S", float)):
@@ -144,7 +148,7 @@ class StoreConfig:
         if self.disk is not None:
             try:
                 tiers.append(DiskTier(self.disk.path, self.disk.resolved_capacity(), self.disk.segment_bytes,
-                                      self.disk.durable, progress=progress))
+                                      self.disk.durable, progress=progress, direct_reads=self.disk.direct_reads))
             except BaseException:
                 for tier in tiers:
                     tier.close()

@@ -180,6 +180,10 @@ class TieredStore(PlacementMixin):
             keys = [ns_id + h for h in block_hashes]
             with self._lock:
                 self._leases.pin(keys)
+                lower = [[k for k in keys if (self._bits(k) & -self._bits(k)) == 1 << t] for t in range(len(self.tiers))]
+            for t, tier_keys in enumerate(lower):  # let tiers that can read ahead start now
+                if tier_keys:
+                    self.tiers[t].prefetch(tier_keys)
             try:
                 served = []
                 for key, view in zip(keys, views):

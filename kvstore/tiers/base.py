@@ -104,6 +104,10 @@ class Tier(ABC):
     def read(self, key: bytes, dst: np.ndarray, first_layer: int = 0, num_layers: int | None = None) -> bool:
         """Copy whole layers ``[first_layer, first_layer + num_layers)`` into ``dst``; False on a miss."""
 
+    def prefetch(self, keys: list[bytes]) -> None:
+        """Hint that these blocks will be read soon, in this order (no-op unless the medium can
+        start reading ahead). Never blocks for I/O and never fails."""
+
     @abstractmethod
     def remove(self, key: bytes) -> bool:
         """Forget ``key`` and reclaim its space; False when it was not resident."""

@@ -56,3 +56,14 @@ def read_direct(fd: int, offset: int, length: int) -> np.ndarray:
     got = os.preadv(fd, [span], start)
     available = max(0, min(got - (offset - start), length))
     return span[offset - start : offset - start + available]
+
+
+def read_record_direct(fd: int, header_at: int, data_at: int, nbytes: int,
+                       header_bytes: int = ALIGN) -> tuple[np.ndarray, np.ndarray]:
+    """A record's header page and ``nbytes`` at ``data_at``: one read when they are adjacent (a
+    whole block), else two (one layer), the header copied out of the bounce buffer first."""
+    if data_at == header_at + header_bytes:
+        span = read_direct(fd, header_at, header_bytes + nbytes)
+        return span[:header_bytes], span[header_bytes:]
+    header_page = read_direct(fd, header_at, header_bytes).copy()
+    return header_page, read_direct(fd, data_at, nbytes)

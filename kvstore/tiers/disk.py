@@ -38,7 +38,7 @@ from rocksdict import Options, Rdict, WriteBatch, WriteOptions
 from kvstore.checksum import layers_match
 from kvstore.errors import InvalidRequest, StoreClosed
 from kvstore.tiers.base import KEY_BYTES, BlockMeta, Tier, TierStats
-from kvstore.tiers.direct_io import open_direct, read_direct
+from kvstore.tiers.direct_io import open_direct, read_record_direct
 from kvstore.tiers.segment import (
     HEADER_BYTES, MAX_LAYERS, RecordHeader, footprint, punch_hole, scan_segment, start_writeback,
 )
@@ -80,11 +80,11 @@ class _Segment:
     """One open segment file. Readers hold a reference while they read, so the descriptor stays
     valid even if the segment is deleted meanwhile (it closes with the last reference)."""
 
-    def __init__(self, segment_id: int, path: str):
+    def __init__(self, segment_id: int, path: str, direct_reads: bool = False):
         self.id = segment_id
         self.path = path
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        self.direct_fd = open_direct(path)  # None where the file system has no O_DIRECT
+        self.direct_fd = open_direct(path) if direct_reads else None  # None: buffered reads
         self.live_bytes = 0
         self.dead_bytes = 0  # removed but not reclaimable (no hole punching)
         self.dirty = False
@@ -111,6 +111,7 @@ class DiskTier(Tier):
         segment_bytes: int = DEFAULT_SEGMENT_BYTES,
         durable: bool = False,
         progress: Callable[[str, int], Callable[[int], None]] | None = None,
+        direct_reads: bool = False,
     ):
         if capacity_bytes < HEADER_BYTES * 2:
             raise InvalidRequest(f"disk tier capacity must be at least {HEADER_BYTES * 2} bytes")
@@ -118,6 +119,10 @@ class DiskTier(Tier):
         self.capacity_bytes = capacity_bytes
         self.segment_bytes = segment_bytes
         self.durable = durable
+        # Buffered reads (default) serve warm blocks from the page cache and overlap cold reads
+        # with readahead; O_DIRECT reads never double-cache what the host tier holds. On this
+        # machine neither won reliably on cold reads (see the README's benchmark section).
+        self.direct_reads = direct_reads
         self._segments_dir = os.path.join(self.path, "segments")
         os.makedirs(self._segments_dir, exist_ok=True)
         self._lock = threading.RLock()
@@ -189,7 +194,7 @@ class DiskTier(Tier):
             if segment_id > tail_segment:  # created, but nothing in it was ever committed
                 os.unlink(os.path.join(self._segments_dir, _segment_name(segment_id)))
                 continue
-            self._segments[segment_id] = _Segment(segment_id, os.path.join(self._segments_dir, _segment_name(segment_id)))
+            self._segments[segment_id] = _Segment(segment_id, os.path.join(self._segments_dir, _segment_name(segment_id)), self.direct_reads)
         for entry in self._index.values():
             self._segments[entry.segment].live_bytes += footprint(entry.nbytes)
         if tail_segment in self._segments:
@@ -322,7 +327,7 @@ class DiskTier(Tier):
 
     def _roll_segment(self) -> None:
         next_id = max(self._segments, default=0) + 1
-        segment = _Segment(next_id, os.path.join(self._segments_dir, _segment_name(next_id)))
+        segment = _Segment(next_id, os.path.join(self._segments_dir, _segment_name(next_id)), self.direct_reads)
         if self.durable:  # the new file's directory entry must survive a power loss too
             _fsync_directory(self._segments_dir)
         self._segments[next_id] = segment
@@ -344,7 +349,7 @@ class DiskTier(Tier):
             if segment is None or os.fstat(segment.fd).st_nlink == 0:
                 raise FileNotFoundError(f"segment {entry.segment} is gone")
             if segment.direct_fd is not None:
-                header_page, data = self._read_direct(segment.direct_fd, entry.offset, start, dst.nbytes)
+                header_page, data = read_record_direct(segment.direct_fd, entry.offset, start, dst.nbytes)
                 complete = header_page.nbytes == HEADER_BYTES and data.nbytes == dst.nbytes
             else:
                 header_page, data = np.empty(HEADER_BYTES, np.uint8), dst
@@ -367,15 +372,20 @@ class DiskTier(Tier):
         self._counters["bytes_read"] += dst.nbytes
         return True
 
-    @staticmethod
-    def _read_direct(fd: int, header_at: int, data_at: int, nbytes: int) -> tuple[np.ndarray, np.ndarray]:
-        """Header page and ``nbytes`` at ``data_at`` via O_DIRECT: one read when they are adjacent
-        (a whole block), else two (one layer), the header copied out of the bounce buffer first."""
-        if data_at == header_at + HEADER_BYTES:
-            span = read_direct(fd, header_at, HEADER_BYTES + nbytes)
-            return span[:HEADER_BYTES], span[HEADER_BYTES:]
-        header_page = read_direct(fd, header_at, HEADER_BYTES).copy()
-        return header_page, read_direct(fd, data_at, nbytes)
+    def prefetch(self, keys: list[bytes]) -> None:
+        """Ask the kernel to start reading these records now (``POSIX_FADV_WILLNEED``), so the
+        reads of a multi-block load overlap with verifying and copying the blocks before them.
+        Buffered reads only: O_DIRECT reads bypass the page cache the hint would fill."""
+        if self.direct_reads:
+            return
+        for key in keys:
+            entry = self._index.get(key)
+            segment = self._segments.get(entry.segment) if entry else None
+            if segment is not None:
+                try:
+                    os.posix_fadvise(segment.fd, entry.offset, footprint(entry.nbytes), os.POSIX_FADV_WILLNEED)
+                except OSError:
+                    return  # a hint only
 
     def _read_header(self, entry: _Entry) -> RecordHeader | None:
         segment = self._segments.get(entry.segment)

@@ -46,10 +46,8 @@ def test_reads_past_the_end_are_short_not_garbage(data_file):
 
 
 @pytest.mark.parametrize("direct", [True, False])
-def test_disk_tier_reads_blocks_and_layers_both_ways(tmp_path, monkeypatch, direct):
-    if not direct:  # a file system without O_DIRECT (tmpfs on older kernels): buffered reads
-        monkeypatch.setattr("kvstore.tiers.disk.open_direct", lambda path: None)
-    tier = DiskTier(str(tmp_path / "disk"), 1 << 24)
+def test_disk_tier_reads_blocks_and_layers_both_ways(tmp_path, direct):
+    tier = DiskTier(str(tmp_path / "disk"), 1 << 24, direct_reads=direct)
     payload = np.random.default_rng(1).integers(0, 256, 4 * 3000, dtype=np.uint8)  # 4 layers, unaligned sizes
     assert tier.write(b"k" * 32, payload, BlockMeta(payload.nbytes, 4, layer_checksums(payload, 4)))
     segment = next(iter(tier._segments.values()))
@@ -58,4 +56,34 @@ def test_disk_tier_reads_blocks_and_layers_both_ways(tmp_path, monkeypatch, dire
     assert tier.read(b"k" * 32, whole) and np.array_equal(whole, payload)
     layer = np.empty(3000, np.uint8)
     assert tier.read(b"k" * 32, layer, first_layer=2, num_layers=1) and np.array_equal(layer, payload[6000:9000])
+    tier.close()
+
+
+def _write_one(tmp_path):
+    tier = DiskTier(str(tmp_path / "disk"), 1 << 24, direct_reads=True)
+    payload = np.random.default_rng(2).integers(0, 256, 4 * 3000, dtype=np.uint8)
+    assert tier.write(b"k" * 32, payload, BlockMeta(payload.nbytes, 4, layer_checksums(payload, 4)))
+    tier.flush()
+    entry = tier._index[b"k" * 32]
+    return tier, payload, tier._segments[entry.segment].path, entry.offset
+
+
+def test_direct_reads_turn_a_flipped_bit_into_a_miss(tmp_path):
+    tier, payload, path, offset = _write_one(tmp_path)
+    with open(path, "r+b") as f:
+        f.seek(offset + 4096 + 7000)
+        byte = f.read(1)
+        f.seek(offset + 4096 + 7000)
+        f.write(bytes([byte[0] ^ 1]))
+    dst = np.zeros_like(payload)
+    assert not tier.read(b"k" * 32, dst) and tier.stats().checksum_failures == 1
+    assert not dst.any(), "unverified bytes never reach the caller"
+    tier.close()
+
+
+def test_direct_reads_of_a_truncated_segment_are_a_miss(tmp_path):
+    tier, payload, path, offset = _write_one(tmp_path)
+    os.truncate(path, offset + 4096 + 5000)
+    assert not tier.read(b"k" * 32, np.zeros_like(payload))
+    assert not tier.contains(b"k" * 32)
     tier.close()
