@@ -1,0 +1,72 @@
+"""What the disk tier tests share: block keys and payloads, a tier factory, and file surgery."""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+
+import numpy as np
+
+from kvstore.checksum import layer_checksums
+from kvstore.tiers.base import BlockMeta
+from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.segment import footprint, scan_segment
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+LAYERS = 4
+NBYTES = 24_000  # 4 layers of 6,000 bytes; a record is 7 pages
+FP = footprint(NBYTES)
+
+
+# ---- helpers (the child processes define the same functions, see _PRELUDE) -----------------
+
+def key_of(i: int) -> bytes:
+    """32-byte key whose first 8 bytes give back ``i`` (so a reopened index can be checked)."""
+    return i.to_bytes(8, "little") + hashlib.blake2b(i.to_bytes(8, "little"), digest_size=24).digest()
+
+
+def index_of(key: bytes) -> int:
+    return int.from_bytes(key[:8], "little")
+
+
+def payload_of(i: int, nbytes: int = NBYTES) -> np.ndarray:
+    return np.random.default_rng(i).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+def meta_of(payload: np.ndarray, num_layers: int = LAYERS, parent: bytes | None = None) -> BlockMeta:
+    return BlockMeta(payload.nbytes, num_layers, layer_checksums(payload, num_layers), parent)
+
+
+def put(tier: DiskTier, i: int, nbytes: int = NBYTES, num_layers: int = LAYERS, parent: bytes | None = None) -> bool:
+    payload = payload_of(i, nbytes)
+    return tier.write(key_of(i), payload, meta_of(payload, num_layers, parent))
+
+
+def reads_exact(tier: DiskTier, i: int, nbytes: int = NBYTES) -> bool:
+    dst = np.zeros(nbytes, np.uint8)
+    if not tier.read(key_of(i), dst):
+        return False
+    assert np.array_equal(dst, payload_of(i, nbytes)), f"block {i} read back WRONG bytes"
+    return True
+
+
+def segment_paths(path) -> list[str]:
+    return sorted(glob.glob(os.path.join(str(path), "segments", "*.seg")))
+
+
+def locate(path, key: bytes) -> tuple[str, int]:
+    """(segment file, record offset) of ``key``, found by scanning the segments."""
+    for seg in segment_paths(path):
+        for record in scan_segment(seg, verify=False):
+            if record.header.key == key:
+                return seg, record.offset
+    raise AssertionError("record not found in any segment")
+
+
+def flip_byte(file: str, offset: int, mask: int = 0x01) -> None:
+    with open(file, "r+b") as f:
+        byte = os.pread(f.fileno(), 1, offset)
+        os.pwrite(f.fileno(), bytes([byte[0] ^ mask]), offset)
