@@ -28,6 +28,13 @@ def host_view(t: torch.Tensor) -> np.ndarray:
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
+def load_targets(hit, block_hashes: Sequence[bytes], pages: Sequence[int]) -> tuple[list[bytes], list[int]]:
+    """The hashes and pages of the ``hit.blocks`` blocks a load fills; refuses too few of either."""
+    if len(pages) < hit.blocks or len(block_hashes) < hit.blocks:
+        raise ValueError(f"{hit.blocks} blocks to load but {len(pages)} pages and {len(block_hashes)} hashes")
+    return list(block_hashes[: hit.blocks]), list(pages[: hit.blocks])
+
+
 def gather_block(spec: BlockSpec, pool: PageBytes, page: int) -> np.ndarray:
     """A fresh [block_bytes] uint8 payload with every layer of ``page``, laid out as the store lays it out."""
     payload = np.empty(spec.block_bytes, np.uint8)

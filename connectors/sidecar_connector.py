@@ -35,7 +35,7 @@ from typing import Sequence
 import grpc
 import numpy as np
 
-from connectors._pages import BackgroundLoad, SaveWriter, gather_blocks, scatter_layer
+from connectors._pages import BackgroundLoad, SaveWriter, gather_blocks, load_targets, scatter_layer
 from connectors.base import ConnectorHit, KVConnector, LoadFailed, LoadHandle, PageBytes
 from connectors.store_connector import DEFAULT_LEASE_TTL_S
 from kvstore.keys import Namespace
@@ -93,11 +93,9 @@ class SidecarConnector(KVConnector):
 
     def start_load(self, hit: ConnectorHit, block_hashes: Sequence[bytes], pages: Sequence[int],
                    pool: PageBytes) -> LoadHandle:
-        if len(pages) < hit.blocks or len(block_hashes) < hit.blocks:
-            raise ValueError(f"{hit.blocks} blocks to load but {len(pages)} pages and {len(block_hashes)} hashes")
+        hashes, pages = load_targets(hit, block_hashes, pages)
         with self._lock:
             lease_id = self._leases.pop(hit.request_id, None)
-        hashes, pages = list(block_hashes[: hit.blocks]), list(pages[: hit.blocks])
         loaded = threading.Event()
 
         def fetch_and_copy(layer_done) -> None:

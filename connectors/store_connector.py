@@ -20,7 +20,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from connectors._pages import BackgroundLoad, SaveWriter, gather_blocks, host_view, scatter_layer
+from connectors._pages import BackgroundLoad, SaveWriter, gather_blocks, host_view, load_targets, scatter_layer
 from connectors.base import ConnectorHit, KVConnector, LoadFailed, LoadHandle, PageBytes
 from kvstore.errors import UnknownLease
 from kvstore.keys import Namespace
@@ -58,11 +58,9 @@ class StoreConnector(KVConnector):
 
     def start_load(self, hit: ConnectorHit, block_hashes: Sequence[bytes], pages: Sequence[int],
                    pool: PageBytes) -> LoadHandle:
-        if len(pages) < hit.blocks or len(block_hashes) < hit.blocks:
-            raise ValueError(f"{hit.blocks} blocks to load but {len(pages)} pages and {len(block_hashes)} hashes")
+        hashes, pages = load_targets(hit, block_hashes, pages)
         with self._lock:
             lease_id = self._leases.pop(hit.request_id, None)
-        hashes, pages = list(block_hashes[: hit.blocks]), list(pages[: hit.blocks])
 
         top_tier = self.store.tiers[0].name
         below_top = [i for i, tier in enumerate(hit.tiers[: len(hashes)]) if tier != top_tier]
