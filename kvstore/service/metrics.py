@@ -1,0 +1,245 @@
+"""Prometheus metrics of the sidecar, and the recent-traffic record the dashboard reads.
+
+Two sources, one registry (``ServiceMetrics.registry``, served at ``/metrics``):
+
+- per call, recorded by the servicer: lookups, looked-up and hit tokens (by namespace and tier),
+  tokens loaded (by tier and path), prefill tokens saved or computed (reported by connectors),
+  put outcomes, errors by method and gRPC status, and latency histograms;
+- at scrape time, read from ``store.stats()`` by ``StoreCollector``: bytes read and written,
+  evictions, demotions, promotions, checksum failures and I/O errors per tier, lease expiries,
+  and the gauges (bytes used and capacity per tier, blocks, namespaces, active leases).
+
+Everything is a counter or a gauge, never a ratio: PromQL computes rates, e.g. the token hit rate
+``sum(rate(kvstore_hit_tokens_total[5m])) / sum(rate(kvstore_lookup_tokens_total[5m]))``.
+
+Namespace labels have bounded cardinality (``NamespaceLabels``): the first ``max_namespaces``
+namespaces get ``MODEL/ID8`` (model name, first 8 hex digits of the id), later ones share
+``"other"``.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from kvstore.store import TieredStore
+
+LATENCY_BUCKETS_S = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+OTHER_NAMESPACE = "other"
+LOAD_PATHS = ("bytes", "shm")  # Get streams the bytes; GetSlots hands out shared-memory slots
+
+
+@dataclass(frozen=True)
+class LookupRecord:
+    """One Lookup as the dashboard's hit-rate curve needs it."""
+
+    time_s: float
+    namespace: str  # its label
+    keys: tuple[bytes, ...]  # namespace id + block hash, 32 bytes each, the whole requested chain
+    block_bytes: int
+    block_size: int
+    hit_blocks: int
+
+
+class NamespaceLabels:
+    """Bounded label values for namespace ids: ``MODEL/ID8`` for the first ``limit``, then "other"."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._labels: dict[bytes, str] = {}
+        self._lock = threading.Lock()
+
+    def label(self, ns_id: bytes, model: str = "") -> str:
+        with self._lock:
+            found = self._labels.get(ns_id)
+            if found is None:
+                if len(self._labels) >= self.limit:
+                    return OTHER_NAMESPACE
+                found = self._labels[ns_id] = f"{model or 'ns'}/{ns_id.hex()[:8]}"
+            return found
+
+    def known(self) -> dict[bytes, str]:
+        with self._lock:
+            return dict(self._labels)
+
+
+class ServiceMetrics:
+    """The sidecar's metrics: call ``lookup``/``load``/``put``/... from the servicer.
+
+    Thread-safe (prometheus_client metrics are; the recent-traffic deques take a lock). Keeps the
+    last ``recent_lookups`` lookups (their keys) and ``recent_latencies`` latencies per kind for
+    the dashboard.
+    """
+
+    def __init__(self, store: TieredStore, max_namespaces: int = 32, recent_lookups: int = 2048,
+                 recent_latencies: int = 4096):
+        self.store = store
+        self.registry = CollectorRegistry()
+        self.namespaces = NamespaceLabels(max_namespaces)
+        self.started_s = time.time()
+        r = self.registry
+        self.lookups = Counter("kvstore_lookups", "Lookup calls", ["namespace"], registry=r)
+        self.lookup_tokens = Counter("kvstore_lookup_tokens", "Tokens asked about by Lookup calls",
+                                     ["namespace"], registry=r)
+        self.hit_tokens = Counter("kvstore_hit_tokens", "Tokens of the contiguous hit of Lookup calls, by the "
+                                  "tier serving them", ["namespace", "tier"], registry=r)
+        self.loaded_tokens = Counter("kvstore_loaded_tokens", "Tokens handed to clients, by tier and path "
+                                     "(bytes: Get; shm: GetSlots)", ["tier", "path"], registry=r)
+        self.loaded_bytes = Counter("kvstore_loaded_bytes", "Payload bytes handed to clients, by tier and path",
+                                    ["tier", "path"], registry=r)
+        self.prefill_saved = Counter("kvstore_prefill_tokens_saved", "Prefill tokens engines skipped thanks to "
+                                     "loaded hits (reported by connectors)", ["namespace"], registry=r)
+        self.prefill_computed = Counter("kvstore_prefill_tokens_computed", "Prefill tokens engines computed "
+                                        "(reported by connectors)", ["namespace"], registry=r)
+        self.put_blocks = Counter("kvstore_put_blocks", "Blocks offered by Put calls, by outcome "
+                                  "(stored, duplicate, rejected)", ["namespace", "outcome"], registry=r)
+        self.put_bytes = Counter("kvstore_put_bytes", "Payload bytes received by Put calls", registry=r)
+        self.errors = Counter("kvstore_grpc_errors", "Calls that ended with a gRPC error status",
+                              ["method", "code"], registry=r)
+        self.lookup_seconds = Histogram("kvstore_lookup_duration_seconds", "Lookup call latency",
+                                        buckets=LATENCY_BUCKETS_S, registry=r)
+        self.load_seconds = Histogram("kvstore_load_duration_seconds", "Get and GetSlots call latency",
+                                      ["path"], buckets=LATENCY_BUCKETS_S, registry=r)
+        self.put_seconds = Histogram("kvstore_put_duration_seconds", "Put call latency",
+                                     buckets=LATENCY_BUCKETS_S, registry=r)
+        r.register(StoreCollector(store))
+        self._recent_lookups: collections.deque[LookupRecord] = collections.deque(maxlen=recent_lookups)
+        self._recent_latencies = {kind: collections.deque(maxlen=recent_latencies) for kind in ("lookup", "load", "put")}
+        self._lock = threading.Lock()
+
+    def namespace_label(self, ns_id: bytes) -> str:
+        return self.namespaces.label(ns_id, self._model_of(ns_id))
+
+    def lookup(self, ns_id: bytes, keys: Sequence[bytes], hit_tiers: Sequence[str], seconds: float) -> None:
+        """A Lookup of ``keys`` (block hashes) whose contiguous hit was served by ``hit_tiers``."""
+        spec = self.store.spec(ns_id)
+        label = self.namespace_label(ns_id)
+        self.lookups.labels(label).inc()
+        self.lookup_tokens.labels(label).inc(len(keys) * spec.block_size)
+        for tier, blocks in collections.Counter(hit_tiers).items():
+            self.hit_tokens.labels(label, tier).inc(blocks * spec.block_size)
+        self.lookup_seconds.observe(seconds)
+        record = LookupRecord(time.time(), label, tuple(ns_id + h for h in keys), spec.block_bytes,
+                              spec.block_size, len(hit_tiers))
+        with self._lock:
+            self._recent_lookups.append(record)
+            self._recent_latencies["lookup"].append((record.time_s, seconds))
+
+    def load(self, ns_id: bytes, tiers: Sequence[str], path: str, seconds: float) -> None:
+        """A Get (``path="bytes"``) or GetSlots (``"shm"``) that handed over blocks from ``tiers``."""
+        spec = self.store.spec(ns_id)
+        for tier, blocks in collections.Counter(tiers).items():
+            self.loaded_tokens.labels(tier, path).inc(blocks * spec.block_size)
+            self.loaded_bytes.labels(tier, path).inc(blocks * spec.block_bytes)
+        self.load_seconds.labels(path).observe(seconds)
+        self._latency("load", seconds)
+
+    def put(self, ns_id: bytes, stored: int, duplicates: int, rejected: int, nbytes: int, seconds: float) -> None:
+        label = self.namespace_label(ns_id)
+        for outcome, count in (("stored", stored), ("duplicate", duplicates), ("rejected", rejected)):
+            if count:
+                self.put_blocks.labels(label, outcome).inc(count)
+        self.put_bytes.inc(nbytes)
+        self.put_seconds.observe(seconds)
+        self._latency("put", seconds)
+
+    def prefill(self, ns_id: bytes, saved_tokens: int, computed_tokens: int) -> None:
+        """What a connector reports after a prefill: tokens it loaded instead of computing, and computed."""
+        label = self.namespace_label(ns_id)
+        self.prefill_saved.labels(label).inc(saved_tokens)
+        self.prefill_computed.labels(label).inc(computed_tokens)
+
+    def error(self, method: str, code_name: str) -> None:
+        self.errors.labels(method, code_name).inc()
+
+    def recent_lookups(self, since_s: float = 0.0) -> list[LookupRecord]:
+        with self._lock:
+            return [r for r in self._recent_lookups if r.time_s >= since_s]
+
+    def recent_latencies(self, kind: str, since_s: float = 0.0) -> list[float]:
+        """Latencies in seconds of recent ``kind`` calls ("lookup", "load" or "put") since ``since_s``."""
+        with self._lock:
+            return [s for t, s in self._recent_latencies[kind] if t >= since_s]
+
+    def totals(self) -> dict:
+        """Every counter of this registry summed per label set: {metric: {label tuple: value}}.
+
+        Sample names keep Prometheus's ``_total``/``_sum``/``_count``/``_bucket`` suffixes.
+        """
+        out: dict[str, dict[tuple, float]] = collections.defaultdict(dict)
+        for family in self.registry.collect():
+            for sample in family.samples:
+                if sample.name.endswith("_created"):
+                    continue
+                out[sample.name][tuple(sorted(sample.labels.items()))] = sample.value
+        return dict(out)
+
+    def _latency(self, kind: str, seconds: float) -> None:
+        with self._lock:
+            self._recent_latencies[kind].append((time.time(), seconds))
+
+    def _model_of(self, ns_id: bytes) -> str:
+        for namespace in self.store.namespaces():
+            if namespace.id == ns_id:
+                return namespace.model
+        return ""
+
+
+class StoreCollector:
+    """Scrape-time metrics read from ``store.stats()``: counters and gauges per tier."""
+
+    COUNTERS = (  # (metric name without _total, TierStats field, help)
+        ("kvstore_tier_read_bytes", "bytes_read", "Bytes read from the tier"),
+        ("kvstore_tier_written_bytes", "bytes_written", "Bytes written to the tier"),
+        ("kvstore_tier_evictions", "evictions", "Blocks evicted from the tier by policy"),
+        ("kvstore_tier_demotions", "demotions_in", "Blocks demoted into the tier from the one above"),
+        ("kvstore_tier_promotions", "promotions_in", "Blocks promoted into the tier from the one below"),
+        ("kvstore_checksum_failures", "checksum_failures", "Blocks dropped because their bytes failed verification"),
+        ("kvstore_tier_io_errors", "io_errors", "I/O errors of the tier (each turned into a miss)"),
+    )
+    GAUGES = (
+        ("kvstore_tier_used_bytes", "used_bytes", "Bytes the tier counts against its capacity"),
+        ("kvstore_tier_capacity_bytes", "capacity_bytes", "Capacity of the tier in bytes"),
+        ("kvstore_tier_blocks", "blocks", "Blocks resident in the tier"),
+    )
+
+    def __init__(self, store: TieredStore):
+        self._store = store
+
+    def describe(self) -> Iterable:
+        return []  # no collection at registration time: the store may be busy
+
+    def collect(self) -> Iterable:
+        stats = self._store.stats()
+        for name, field_name, help_text in self.COUNTERS:
+            family = CounterMetricFamily(name, help_text, labels=["tier"])
+            for tier in stats.tiers:
+                family.add_metric([tier.name], getattr(tier, field_name))
+            yield family
+        for name, field_name, help_text in self.GAUGES:
+            family = GaugeMetricFamily(name, help_text, labels=["tier"])
+            for tier in stats.tiers:
+                family.add_metric([tier.name], getattr(tier, field_name))
+            yield family
+        yield CounterMetricFamily("kvstore_lease_expiries", "Leases that ended by TTL, never released",
+                                  value=stats.lease_expiries)
+        yield GaugeMetricFamily("kvstore_leases_active", "Leases held now", value=stats.leases_active)
+        yield GaugeMetricFamily("kvstore_namespaces", "Registered namespaces", value=stats.namespaces)
+
+
+METRIC_NAMES = (  # every sample family /metrics exports (counters with their _total suffix)
+    "kvstore_lookups_total", "kvstore_lookup_tokens_total", "kvstore_hit_tokens_total",
+    "kvstore_loaded_tokens_total", "kvstore_loaded_bytes_total", "kvstore_prefill_tokens_saved_total",
+    "kvstore_prefill_tokens_computed_total", "kvstore_put_blocks_total", "kvstore_put_bytes_total",
+    "kvstore_grpc_errors_total", "kvstore_lookup_duration_seconds", "kvstore_load_duration_seconds",
+    "kvstore_put_duration_seconds",
+    *(name + "_total" for name, _, _ in StoreCollector.COUNTERS),
+    *(name for name, _, _ in StoreCollector.GAUGES),
+    "kvstore_lease_expiries_total", "kvstore_leases_active", "kvstore_namespaces",
+)
