@@ -127,11 +127,11 @@ class StoreConfig:
         if "DISK_CAPACITY" in env:
             disk.capacity_bytes = parse_size(env["DISK_CAPACITY"])
         if "DURABLE" in env:
-            disk.durable = _parse_bool(env["DURABLE"])
+            disk.durable = parse_bool(env["DURABLE"])
         if "DIRECT_READS" in env:
-            disk.direct_reads = _parse_bool(env["DIRECT_READS"])
+            disk.direct_reads = parse_bool(env["DIRECT_READS"])
         for name, key, convert in (("policy", "POLICY", str), ("write_policy", "WRITE_POLICY", str),
-                                   ("promote_on_hit", "PROMOTE_ON_HIT", _parse_bool),
+                                   ("promote_on_hit", "PROMOTE_ON_HIT", parse_bool),
                                    ("lease_ttl_s", "LEASE_TTL_S", float)):
             if key in env:
                 values[name] = convert(env[key])
@@ -158,7 +158,7 @@ class StoreConfig:
                            max_leases=self.max_leases)
 
 
-def _parse_bool(text: str) -> bool:
+def parse_bool(text: str) -> bool:
     lowered = str(text).strip().lower()
     if lowered in ("1", "true", "yes", "on"):
         return True

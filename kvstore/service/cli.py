@@ -1,12 +1,15 @@
 """The ``kvstore serve`` flags and their handler (also runnable as ``python -m kvstore.service``).
 
-    kvstore serve [--address HOST:PORT|unix:PATH] [--data-dir DIR] [--host-capacity SIZE]
-                  [--disk-capacity SIZE] [--shutdown-grace-s S]
+    kvstore serve [--address HOST:PORT|unix:PATH] [--http-address HOST:PORT|off] [--data-dir DIR]
+                  [--host-capacity SIZE] [--disk-capacity SIZE] [--staging-capacity SIZE]
+                  [--token-file FILE] [--tls-cert PEM --tls-key PEM] [--allow-plaintext]
+                  [--protect-metrics] [--durable-puts] [--shutdown-grace-s S]
 
 Flags override ``KVSTORE_*`` variables (kvstore.config, kvstore.service.config), which override
-the embedded defaults: 127.0.0.1:50551, the disk tier under ~/.local/share/kvstore/disk, auto
-sizes (a quarter of available memory for the host tier, half the free disk for the disk tier).
-Prints one line, ``kvstore serve: listening on ADDRESS``, once it accepts calls.
+the embedded defaults: gRPC on 127.0.0.1:50551, HTTP (metrics, dashboard) on 127.0.0.1:50552, the
+disk tier under ~/.local/share/kvstore/disk, auto sizes (a quarter of available memory for the
+host tier, half the free disk for the disk tier). Prints ``kvstore serve: listening on ADDRESS``
+once it accepts calls, then ``kvstore serve: dashboard on URL`` (unless HTTP is off).
 """
 
 from __future__ import annotations
@@ -28,6 +31,20 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-dir", help=f"the disk tier lives in DIR/disk (default {default_data_dir()})")
     parser.add_argument("--host-capacity", help="host tier size, e.g. 8GiB; 0 disables it (default: auto)")
     parser.add_argument("--disk-capacity", help="disk tier size, e.g. 200GiB; 0 disables it (default: auto)")
+    parser.add_argument("--http-address", help="HOST:PORT for /metrics, /healthz and the dashboard, or 'off' "
+                        "(default 127.0.0.1:50552)")
+    parser.add_argument("--staging-capacity", help="shared-memory staging for same-host puts, e.g. 256MiB; 0 "
+                        "disables it (default 256MiB)")
+    parser.add_argument("--token-file", help="file whose first line is the bearer token clients must send "
+                        "(or set KVSTORE_TOKEN); required beyond loopback")
+    parser.add_argument("--tls-cert", help="PEM certificate chain: serve gRPC and HTTP over TLS")
+    parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    parser.add_argument("--allow-plaintext", action="store_const", const=True,
+                        help="serve gRPC beyond loopback without TLS (inside a trusted network namespace only)")
+    parser.add_argument("--protect-metrics", action="store_const", const=True,
+                        help="/metrics needs the bearer token too")
+    parser.add_argument("--durable-puts", action="store_const", const=True,
+                        help="answer a put only once it is fsynced to the disk tier")
     parser.add_argument("--shutdown-grace-s", type=float, help="seconds in-flight calls get after SIGTERM (default 10)")
     parser.set_defaults(func=cmd_serve)
 
@@ -56,13 +73,21 @@ def store_config(args: argparse.Namespace) -> StoreConfig:
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvstore.service.server import serve  # grpc loads only for this command
 
-    config = ServeConfig.from_env(address=args.address, shutdown_grace_s=args.shutdown_grace_s)
-    asyncio.run(serve(config, store_config(args), _announce))
+    staging = parse_size(args.staging_capacity) if args.staging_capacity is not None else None
+    config = ServeConfig.from_env(address=args.address, http_address=args.http_address, token_file=args.token_file,
+                                  tls_cert=args.tls_cert, tls_key=args.tls_key, allow_plaintext=args.allow_plaintext,
+                                  protect_metrics=args.protect_metrics, durable_puts=args.durable_puts,
+                                  staging_bytes=staging, shutdown_grace_s=args.shutdown_grace_s)
+    asyncio.run(serve(config, store_config(args), _announce, _announce_http))
     return 0
 
 
 def _announce(address: str) -> None:
     print(f"kvstore serve: listening on {address}", flush=True)
+
+
+def _announce_http(url: str) -> None:
+    print(f"kvstore serve: dashboard on {url}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,7 +12,16 @@ caller's buffers. Results are the store's own types (``LookupResult``, ``LoadRes
 refuses raises ``grpc.RpcError`` with its status code and the store's message; mistakes the
 client can see alone (buffer count or sizes) raise ``InvalidRequest`` before any call.
 
-Same host: ``load_shm`` takes the fast path (``kvstore.service.shm``): one GetSlots call leases
+Same host, puts: ``put_shm`` reserves staging slots (ReserveSlots), writes the payloads straight
+into the mapped staging segment and commits them with their checksums (CommitSlots); it falls
+back to ``put`` where the segment cannot be mapped or the sidecar has no staging area.
+
+Auth: ``token`` (default: ``KVSTORE_TOKEN``, or the first line of ``KVSTORE_TOKEN_FILE``) goes
+as ``authorization: Bearer TOKEN`` on every call; ``root_certificates`` (PEM) makes the channel
+TLS. Every call also names the client (``kvstore-client`` metadata, random per instance), which
+the server's per-client limits count by.
+
+Same host, gets: ``load_shm`` takes the fast path (``kvstore.service.shm``): one GetSlots call leases
 the hit and says where its host-tier blocks sit in the sidecar's shared-memory segment; they are
 copied straight from a read-only mapping (cached per segment path) into ``dsts``, the rest of the
 hit comes through Get, then the lease is released. A client that cannot map the segment (another
@@ -24,6 +33,7 @@ serve many threads.
 
 from __future__ import annotations
 
+import uuid
 from typing import Iterator, Sequence
 
 import grpc
@@ -32,11 +42,13 @@ import numpy as np
 from kvstore.buffers import byte_view
 from kvstore.errors import InvalidRequest
 from kvstore.keys import Namespace
-from kvstore.checksum import layers_match
+from kvstore.checksum import layer_checksums, layers_match
 from kvstore.results import LoadResult, LookupResult, PutResult, StoreStats
 from kvstore.service import wire
 from kvstore.service.chunks import BlockAssembler, check_block_bytes, iter_chunks
+from kvstore.service import security
 from kvstore.service.limits import ServiceLimits
+from kvstore.service.metadata import MetadataInterceptor
 from kvstore.service.shm import SegmentMaps, SlotGrant
 from kvstore.service.v1 import kvstore_pb2 as pb
 from kvstore.service.v1.kvstore_pb2_grpc import KVStoreStub
@@ -44,14 +56,26 @@ from kvstore.tiers.host import HostTier
 
 
 class KVStoreClient:
-    def __init__(self, target: str, timeout_s: float | None = 60.0, limits: ServiceLimits = ServiceLimits()):
+    def __init__(self, target: str, timeout_s: float | None = 60.0, limits: ServiceLimits = ServiceLimits(),
+                 token: str | None = None, root_certificates: bytes | None = None):
         """``target``: ``HOST:PORT`` or ``unix:PATH``. ``timeout_s`` bounds every call (None: no bound);
-        ``limits`` must match the server's (chunk and message sizes)."""
-        self._channel = grpc.insecure_channel(target, options=limits.channel_options())
-        self._stub = KVStoreStub(self._channel)
+        ``limits`` must match the server's (chunk and message sizes). ``token``: the sidecar's bearer
+        token (None: from the environment, if set there); ``root_certificates``: PEM roots for TLS."""
+        options = limits.channel_options()
+        if root_certificates is not None:
+            channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates), options=options)
+        else:
+            channel = grpc.insecure_channel(target, options=options)
+        token = token if token is not None else security.load_token(*security.token_from_env())
+        self.client_id = uuid.uuid4().hex
+        metadata = [("kvstore-client", self.client_id)] + ([("authorization", f"Bearer {token}")] if token else [])
+        self._channel = channel
+        self._stub = KVStoreStub(grpc.intercept_channel(channel, MetadataInterceptor(metadata)))
         self._timeout = timeout_s
         self._limits = limits
         self._segments = SegmentMaps()
+        self._staging = SegmentMaps(writable=True)
+        self._staging_refused = False
 
     def wait_ready(self, timeout_s: float = 10.0) -> None:
         """Block until the channel connects; raises ``grpc.FutureTimeoutError`` after ``timeout_s``."""
@@ -166,6 +190,43 @@ class KVStoreClient:
         for index, offset, data in iter_chunks(views, self._limits.max_chunk_bytes):
             yield pb.PutRequest(chunk=pb.Chunk(block_index=index, offset=offset, data=data))
 
+    def put_shm(self, ns_id: bytes, block_hashes: Sequence[bytes], payloads: Sequence,
+                parent: bytes | None = None, ttl_s: float = 30.0) -> PutResult:
+        """``put`` through the same-host staging segment; the same contract and result.
+
+        Falls back to ``put`` when the sidecar has no staging area, has no room in it now, or its
+        segment cannot be mapped here (another host or container).
+        """
+        views = [byte_view(p) for p in payloads]
+        if self._staging_refused:
+            return self.put(ns_id, block_hashes, payloads, parent)
+        request = pb.ReserveSlotsRequest(namespace_id=ns_id, block_hashes=block_hashes, parent=parent,
+                                         block_bytes=_one_size(views, "payloads"), ttl_s=ttl_s)
+        try:
+            reservation = self._stub.ReserveSlots(request, timeout=self._timeout)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                self._staging_refused = True  # this sidecar has no staging area
+            if exc.code() not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED):
+                raise
+            return self.put(ns_id, block_hashes, payloads, parent)
+        checksums = []
+        for view, slot in zip(views, reservation.slots):
+            target = self._staging.slot(reservation.segment_path, slot.offset, slot.nbytes)
+            if target is None:  # cannot map it here: the reservation lapses on its own
+                self._staging_refused = True
+                return self.put(ns_id, block_hashes, payloads, parent)
+            np.copyto(target, view)  # [block_bytes] uint8
+            checksums.append(pb.LayerChecksums(layer_checksums=layer_checksums(view, reservation.num_layers)))
+        commit = pb.CommitSlotsRequest(reservation_id=reservation.reservation_id, blocks=checksums)
+        return wire.put_result_from_proto(self._stub.CommitSlots(commit, timeout=self._timeout))
+
+    def report_prefill(self, ns_id: bytes, saved_tokens: int, computed_tokens: int) -> None:
+        """Tell the sidecar's metrics what a prefill saved (tokens loaded) and computed."""
+        request = pb.ReportPrefillRequest(namespace_id=ns_id, saved_tokens=saved_tokens,
+                                          computed_tokens=computed_tokens)
+        self._stub.ReportPrefill(request, timeout=self._timeout)
+
     def release(self, lease_id: int) -> None:
         """End a lease; NOT_FOUND if it was never issued, already released, or expired."""
         self._stub.Release(pb.ReleaseRequest(lease_id=lease_id), timeout=self._timeout)
@@ -181,6 +242,7 @@ class KVStoreClient:
     def close(self) -> None:
         self._channel.close()
         self._segments.close()
+        self._staging.close()
 
     def __enter__(self) -> "KVStoreClient":
         return self

@@ -3,13 +3,20 @@
 Flags override the environment, the environment overrides the embedded defaults::
 
     KVSTORE_ADDRESS=127.0.0.1:50551       HOST:PORT, or unix:PATH for a unix socket
+    KVSTORE_HTTP_ADDRESS=127.0.0.1:50552  metrics, /healthz and the dashboard; "off" disables it
+    KVSTORE_TOKEN / KVSTORE_TOKEN_FILE    the bearer token, or a file whose first line is it
+    KVSTORE_TLS_CERT, KVSTORE_TLS_KEY     PEM files: gRPC (and HTTP) over TLS
+    KVSTORE_ALLOW_PLAINTEXT=0             serve gRPC beyond loopback without TLS (trusted networks only)
+    KVSTORE_PROTECT_METRICS=0             /metrics needs the token too
+    KVSTORE_STAGING_BYTES=256MiB          shared-memory staging for same-host puts; 0 disables it
+    KVSTORE_DURABLE_PUTS=0                answer a put only once it is fsynced to the disk tier
     KVSTORE_SHUTDOWN_GRACE_S=10           how long in-flight calls may finish after SIGTERM
     KVSTORE_MAX_LOOKUP_BLOCKS=16384       and the other ServiceLimits fields (kvstore.service.limits):
     KVSTORE_MAX_TRANSFER_BLOCKS=32        KVSTORE_MAX_CHUNK_BYTES=1MiB, KVSTORE_MAX_MESSAGE_BYTES=4MiB,
                                           KVSTORE_MAX_CONCURRENT_TRANSFERS=16
 
-The default address is loopback TCP: the service has no authentication or TLS, so it must not
-listen beyond the host (use a unix socket to restrict it to a user or group by file mode).
+Both addresses default to loopback. Beyond loopback the sidecar refuses to start without a bearer
+token, and without TLS for gRPC (kvstore.service.security).
 """
 
 from __future__ import annotations
@@ -18,22 +25,41 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Mapping
 
-from kvstore.config import ENV_PREFIX, parse_size
+from kvstore.config import ENV_PREFIX, parse_bool, parse_size
 from kvstore.errors import InvalidRequest
 from kvstore.service.limits import ServiceLimits
+from kvstore.service.staging import DEFAULT_STAGING_BYTES
 
 DEFAULT_ADDRESS = "127.0.0.1:50551"
+DEFAULT_HTTP_ADDRESS = "127.0.0.1:50552"
+HTTP_OFF = "off"
+
+_STRINGS = ("address", "http_address", "token", "token_file", "tls_cert", "tls_key")
+_BOOLS = ("allow_plaintext", "protect_metrics", "durable_puts")
 
 
 @dataclass(frozen=True)
 class ServeConfig:
     address: str = DEFAULT_ADDRESS
+    http_address: str = DEFAULT_HTTP_ADDRESS
+    token: str | None = None
+    token_file: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    allow_plaintext: bool = False
+    protect_metrics: bool = False
+    staging_bytes: int = DEFAULT_STAGING_BYTES
+    durable_puts: bool = False
     shutdown_grace_s: float = 10.0
     limits: ServiceLimits = field(default_factory=ServiceLimits)
 
     def __post_init__(self) -> None:
         if not (self.address.startswith("unix:") or ":" in self.address):
             raise InvalidRequest(f"address must be HOST:PORT or unix:PATH, got {self.address!r}")
+        if self.http_address != HTTP_OFF and (self.http_address.startswith("unix:") or ":" not in self.http_address):
+            raise InvalidRequest(f"http_address must be HOST:PORT or 'off', got {self.http_address!r}")
+        if self.staging_bytes < 0:
+            raise InvalidRequest(f"staging_bytes must not be negative, got {self.staging_bytes}")
         if self.shutdown_grace_s < 0:
             raise InvalidRequest(f"shutdown_grace_s must not be negative, got {self.shutdown_grace_s}")
 
@@ -41,9 +67,11 @@ class ServeConfig:
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> "ServeConfig":
         """Defaults, then ``KVSTORE_*`` variables, then ``overrides`` (None values are ignored)."""
         env = os.environ if environ is None else environ
-        values: dict = {}
-        if ENV_PREFIX + "ADDRESS" in env:
-            values["address"] = env[ENV_PREFIX + "ADDRESS"]
+        values: dict = {name: env[ENV_PREFIX + name.upper()] for name in _STRINGS if ENV_PREFIX + name.upper() in env}
+        values.update({name: parse_bool(env[ENV_PREFIX + name.upper()]) for name in _BOOLS
+                       if ENV_PREFIX + name.upper() in env})
+        if ENV_PREFIX + "STAGING_BYTES" in env:
+            values["staging_bytes"] = parse_size(env[ENV_PREFIX + "STAGING_BYTES"])
         if ENV_PREFIX + "SHUTDOWN_GRACE_S" in env:
             values["shutdown_grace_s"] = _seconds(env[ENV_PREFIX + "SHUTDOWN_GRACE_S"])
         limits = {f.name: parse_size(env[key]) for f in fields(ServiceLimits)

@@ -9,10 +9,17 @@ caller can tell which one to split around or raise. Defaults, and what they boun
     max_chunk_bytes           1 MiB   payload bytes per chunk message, both directions
     max_concurrent_transfers  16      Get and Put streams running at once; more are refused, not queued
     max_message_bytes         4 MiB   any one message, enforced by gRPC itself (its own message)
+    max_streams_per_client    8       Get and Put streams one client runs at once
+    max_leases_per_client     1024    leases (Lookup, GetSlots) one client holds at once
+
+A client is what its ``kvstore-client`` metadata names (``KVStoreClient`` sends a random id per
+instance), else its connection's peer address.
 """
 
 from __future__ import annotations
 
+import collections
+import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Iterator
@@ -33,6 +40,8 @@ class ServiceLimits:
     max_chunk_bytes: int = 1 << 20
     max_concurrent_transfers: int = 16
     max_message_bytes: int = 4 << 20
+    max_streams_per_client: int = 8
+    max_leases_per_client: int = 1024
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
@@ -59,22 +68,71 @@ class ServiceLimits:
 
 
 class TransferSlots:
-    """Counts the Get and Put streams in progress; refuses past the limit instead of queueing.
+    """Counts the Get and Put streams in progress, in all and per client; refuses past either
+    limit instead of queueing.
 
     Used from the server's event loop only (not thread-safe).
     """
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, per_client: int):
         self.limit = limit
+        self.per_client = per_client
         self.active = 0
+        self._by_client: collections.Counter[str] = collections.Counter()
 
     @contextmanager
-    def hold(self) -> Iterator[None]:
+    def hold(self, client: str = "") -> Iterator[None]:
         if self.active >= self.limit:
             raise LimitExceeded(f"max_concurrent_transfers={self.limit} Get/Put streams are already running; "
                                 "retry shortly or raise the limit")
+        if self._by_client[client] >= self.per_client:
+            raise LimitExceeded(f"max_streams_per_client={self.per_client}: this client already runs that many "
+                                "Get/Put streams; wait for one to finish")
         self.active += 1
+        self._by_client[client] += 1
         try:
             yield
         finally:
             self.active -= 1
+            self._by_client[client] -= 1
+            if not self._by_client[client]:
+                del self._by_client[client]
+
+
+class ClientLeases:
+    """The leases each client holds, so one client cannot take every lease the store grants.
+
+    A lease counts until its client releases it (or a Get ends it) or its TTL passes. Used from
+    the server's event loop only (not thread-safe).
+    """
+
+    def __init__(self, per_client: int):
+        self.per_client = per_client
+        self._expiry: dict[str, dict[int, float]] = collections.defaultdict(dict)  # client -> lease -> deadline
+        self._owner: dict[int, str] = {}
+
+    def check(self, client: str) -> None:
+        """Raise ``LimitExceeded`` if ``client`` may not take another lease now."""
+        if self.held(client) >= self.per_client:
+            raise LimitExceeded(f"max_leases_per_client={self.per_client}: this client holds that many leases; "
+                                "release some (or let them expire) before asking for more")
+
+    def add(self, client: str, lease_id: int, ttl_s: float) -> None:
+        self._expiry[client][lease_id] = time.monotonic() + ttl_s
+        self._owner[lease_id] = client
+
+    def drop(self, lease_id: int) -> None:
+        client = self._owner.pop(lease_id, None)
+        if client is not None:
+            self._expiry[client].pop(lease_id, None)
+            if not self._expiry[client]:
+                del self._expiry[client]
+
+    def held(self, client: str) -> int:
+        leases = self._expiry.get(client)
+        if not leases:
+            return 0
+        now = time.monotonic()
+        for lease_id in [lease for lease, deadline in leases.items() if deadline <= now]:
+            self.drop(lease_id)
+        return len(self._expiry.get(client, ()))

@@ -3,14 +3,16 @@
 ``create_server`` builds and binds a server (tests bind port 0 and read the port back);
 ``serve`` runs one until SIGTERM or SIGINT, then shuts down gracefully:
 
-    1. health turns NOT_SERVING (load balancers and probes stop sending work)
+    1. health turns NOT_SERVING, /healthz answers 503 (load balancers and probes stop sending work)
     2. the server stops taking calls; in-flight calls get ``shutdown_grace_s`` to finish
     3. worker threads still copying for a call are waited for
     4. the store closes: background writes drain and every tier flushes (the disk tier's index
        and segments are durable, so the next start serves what was put)
 
 Beside the KVStore service: the standard health service (grpc.health.v1, "" and
-"kvstore.v1.KVStore") and server reflection (so grpcurl and friends need no .proto).
+"kvstore.v1.KVStore") and server reflection (so grpcurl and friends need no .proto). Beside the
+gRPC port: the HTTP server (kvstore.service.http) with /metrics, /healthz and the dashboard.
+Exposure rules (token, TLS) are kvstore.service.security's.
 """
 
 from __future__ import annotations
@@ -27,9 +29,12 @@ from grpc_reflection.v1alpha import reflection
 
 from kvstore.config import StoreConfig
 from kvstore.errors import InvalidRequest
-from kvstore.service.config import ServeConfig
+from kvstore.service import security
+from kvstore.service.config import HTTP_OFF, ServeConfig
 from kvstore.service.limits import ServiceLimits
+from kvstore.service.metrics import ServiceMetrics
 from kvstore.service.servicer import SERVICE_NAME, KVStoreServicer
+from kvstore.service.staging import StagingArea
 from kvstore.service.v1 import kvstore_pb2_grpc
 from kvstore.store import TieredStore
 
@@ -37,21 +42,27 @@ log = logging.getLogger(__name__)
 
 
 async def create_server(address: str, store: TieredStore, limits: ServiceLimits = ServiceLimits(),
-                        health: health_aio.HealthServicer | None = None) -> tuple[grpc.aio.Server, int]:
+                        health: health_aio.HealthServicer | None = None, *, metrics: ServiceMetrics | None = None,
+                        staging: StagingArea | None = None, durable_puts: bool = False, token: str | None = None,
+                        tls: tuple[bytes, bytes] | None = None) -> tuple[grpc.aio.Server, int]:
     """A bound, not yet started server with the KVStore, health and reflection services.
 
     ``address`` is ``HOST:PORT`` (port 0 picks a free one) or ``unix:PATH``. Returns the server and
     the bound port (0 for a unix socket). Raises ``InvalidRequest`` if the address cannot be bound.
+    ``token``: every call but health checks needs it; ``tls``: (cert chain, key) PEM bytes.
     """
-    server = grpc.aio.server(options=limits.channel_options())
-    kvstore_pb2_grpc.add_KVStoreServicer_to_server(KVStoreServicer(store, limits), server)
+    interceptors = [security.BearerAuthInterceptor(token)] if token else []
+    server = grpc.aio.server(options=limits.channel_options(), interceptors=interceptors)
+    servicer = KVStoreServicer(store, limits, metrics, staging, durable_puts)
+    kvstore_pb2_grpc.add_KVStoreServicer_to_server(servicer, server)
     health = health or health_aio.HealthServicer()
     await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
     reflection.enable_server_reflection((SERVICE_NAME, health_name, reflection.SERVICE_NAME), server)
     try:
-        port = server.add_insecure_port(address)
+        port = server.add_secure_port(address, security.server_credentials(tls)) if tls else \
+            server.add_insecure_port(address)
     except RuntimeError as exc:
         raise InvalidRequest(f"cannot listen on {address!r} ({exc}): is it in use? "
                              "give --address HOST:PORT or unix:PATH") from None
@@ -63,20 +74,54 @@ def bound_address(address: str, port: int) -> str:
     return address if address.startswith("unix:") else f"{address.rsplit(':', 1)[0]}:{port}"
 
 
-async def serve(config: ServeConfig, store_config: StoreConfig, ready: Callable[[str], None] = print) -> None:
-    """Serve one store until SIGTERM or SIGINT; ``ready`` gets the bound address once listening."""
+async def serve(config: ServeConfig, store_config: StoreConfig, ready: Callable[[str], None] = print,
+                http_ready: Callable[[str], None] = print) -> None:
+    """Serve one store until SIGTERM or SIGINT; ``ready`` gets the bound gRPC address once
+    listening, ``http_ready`` the dashboard's URL (not called when HTTP is off)."""
+    token = security.load_token(config.token, config.token_file)
+    tls = security.read_tls(config.tls_cert, config.tls_key)
+    security.check_exposure("--address", config.address, token, tls is not None, config.allow_plaintext)
+    if config.http_address != HTTP_OFF:
+        security.check_exposure("--http-address", config.http_address, token, tls is not None,
+                                config.allow_plaintext, needs_tls=False)
+    if config.durable_puts and store_config.disk is None:
+        raise InvalidRequest("durable puts need a disk tier: give --disk-capacity, or drop --durable-puts")
     store = await asyncio.to_thread(store_config.open_store)  # a large host tier takes seconds to prefault
+    staging = StagingArea(config.staging_bytes) if config.staging_bytes else None
+    http = sampler = None
     try:
         health = health_aio.HealthServicer()
-        server, port = await create_server(config.address, store, config.limits, health)
+        metrics = ServiceMetrics(store)
+        server, port = await create_server(config.address, store, config.limits, health, metrics=metrics,
+                                           staging=staging, durable_puts=config.durable_puts, token=token, tls=tls)
+        serving = asyncio.Event()
+        if config.http_address != HTTP_OFF:
+            from kvstore.service.dashboard import Dashboard  # FastAPI and uvicorn load only when HTTP is on
+            from kvstore.service.http import HttpServer, create_http_app
+
+            dashboard = Dashboard(metrics)
+            app = create_http_app(metrics, token, config.protect_metrics, dashboard, serving=serving.is_set)
+            http = HttpServer(app, config.http_address, (config.tls_cert, config.tls_key) if tls else None)
+            url = await http.start()
+            sampler = asyncio.create_task(dashboard.run())
         await server.start()
+        serving.set()
         ready(bound_address(config.address, port))
+        if http is not None:
+            http_ready(url)
         await _signalled(signal.SIGTERM, signal.SIGINT)
         log.info("shutting down: %.1f s for in-flight calls", config.shutdown_grace_s)
+        serving.clear()
         await health.enter_graceful_shutdown()
         await server.stop(config.shutdown_grace_s)
         await asyncio.get_running_loop().shutdown_default_executor()  # store calls still copying
     finally:
+        if sampler is not None:
+            sampler.cancel()
+        if http is not None:
+            await http.stop()
+        if staging is not None:
+            staging.close()
         store.close()
 
 

@@ -3,7 +3,10 @@
 Store calls run in worker threads (``asyncio.to_thread``): they copy megabytes and take the
 store's lock, and the event loop must keep serving other calls meanwhile. Errors leave through
 ``context.abort`` with the status code of their class (``STATUS_CODES``) and the store's own
-message; anything else is a bug and surfaces as UNKNOWN.
+message, and are counted in the metrics; anything else is a bug and surfaces as UNKNOWN.
+
+Each call is recorded in ``ServiceMetrics`` (kvstore.service.metrics). Per-client limits key on
+the ``kvstore-client`` metadata a client sends (else the connection's peer).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import time
 
 import grpc
 import numpy as np
@@ -18,7 +22,9 @@ import numpy as np
 from kvstore.errors import InvalidRequest, KVStoreError, StoreClosed, UnknownLease, UnknownNamespace
 from kvstore.service import shm, wire
 from kvstore.service.chunks import BlockAssembler, check_block_bytes, iter_chunks
-from kvstore.service.limits import LimitExceeded, ServiceLimits, TransferSlots
+from kvstore.service.limits import ClientLeases, LimitExceeded, ServiceLimits, TransferSlots
+from kvstore.service.metrics import ServiceMetrics
+from kvstore.service.staging import DEFAULT_RESERVATION_TTL_S, StagingArea
 from kvstore.service.v1 import kvstore_pb2 as pb
 from kvstore.service.v1 import kvstore_pb2_grpc
 from kvstore.store import TieredStore
@@ -35,6 +41,9 @@ STATUS_CODES: dict[type, grpc.StatusCode] = {
 }
 
 
+CLIENT_METADATA = "kvstore-client"
+
+
 def status_code(exc: KVStoreError) -> grpc.StatusCode:
     return next(STATUS_CODES[cls] for cls in type(exc).__mro__ if cls in STATUS_CODES)
 
@@ -48,7 +57,7 @@ def translate_errors(method):
                 async for response in method(self, request, context):
                     yield response
             except KVStoreError as exc:
-                await context.abort(status_code(exc), str(exc))
+                await self._abort(context, method.__name__, exc)
         return streaming
 
     @functools.wraps(method)
@@ -56,17 +65,40 @@ def translate_errors(method):
         try:
             return await method(self, request, context)
         except KVStoreError as exc:
-            await context.abort(status_code(exc), str(exc))
+            await self._abort(context, method.__name__, exc)
     return unary
 
 
-class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
-    """The ``kvstore.v1.KVStore`` service over one store; every method is one store call."""
+def client_of(context) -> str:
+    """Who a call comes from, for per-client limits: its ``kvstore-client`` metadata, else its peer."""
+    for key, value in context.invocation_metadata() or ():
+        if key == CLIENT_METADATA:
+            return value
+    return context.peer() or ""
 
-    def __init__(self, store: TieredStore, limits: ServiceLimits):
+
+class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
+    """The ``kvstore.v1.KVStore`` service over one store; every method is one store call.
+
+    ``staging`` enables ReserveSlots/CommitSlots (None: they answer FAILED_PRECONDITION).
+    ``durable_puts``: Put and CommitSlots answer only after the store flushed (disk tier fsynced),
+    and say so in ``PutResponse.durable``.
+    """
+
+    def __init__(self, store: TieredStore, limits: ServiceLimits, metrics: ServiceMetrics | None = None,
+                 staging: StagingArea | None = None, durable_puts: bool = False):
         self._store = store
         self._limits = limits
-        self._transfers = TransferSlots(limits.max_concurrent_transfers)
+        self.metrics = metrics or ServiceMetrics(store)
+        self._staging = staging
+        self._durable_puts = durable_puts
+        self._transfers = TransferSlots(limits.max_concurrent_transfers, limits.max_streams_per_client)
+        self._leases = ClientLeases(limits.max_leases_per_client)
+
+    async def _abort(self, context, method: str, exc: KVStoreError) -> None:
+        code = status_code(exc)
+        self.metrics.error(method, code.name)
+        await context.abort(code, str(exc))
 
     @translate_errors
     async def RegisterNamespace(self, request, context):
@@ -76,21 +108,32 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     @translate_errors
     async def Lookup(self, request, context):
         self._limits.check_blocks("max_lookup_blocks", len(request.block_hashes))
-        result = await asyncio.to_thread(self._store.lookup, request.namespace_id, list(request.block_hashes),
-                                         wire.optional(request, "lease_ttl_s"))
+        ttl_s, client = wire.optional(request, "lease_ttl_s"), client_of(context)
+        if ttl_s is not None:
+            self._leases.check(client)
+        hashes = list(request.block_hashes)
+        started = time.perf_counter()
+        result = await asyncio.to_thread(self._store.lookup, request.namespace_id, hashes, ttl_s)
+        self.metrics.lookup(request.namespace_id, hashes, result.tiers, time.perf_counter() - started)
+        if result.lease_id is not None:
+            self._leases.add(client, result.lease_id, ttl_s)
         return wire.lookup_to_proto(result)
 
     @translate_errors
     async def Get(self, request, context):
         hashes = list(request.block_hashes)
         self._limits.check_blocks("max_transfer_blocks", len(hashes))
-        with self._transfers.hold():
+        with self._transfers.hold(client_of(context)):
             spec = self._store.spec(request.namespace_id)
             check_block_bytes(request.block_bytes or spec.block_bytes, spec.block_bytes, "destination buffer",
                               len(hashes))
             dsts = [np.empty(spec.block_bytes, np.uint8) for _ in hashes]  # [block_bytes] uint8 each
-            result = await asyncio.to_thread(self._store.load, request.namespace_id, hashes, dsts,
-                                             wire.optional(request, "lease_id"))
+            lease_id = wire.optional(request, "lease_id")
+            started = time.perf_counter()
+            result = await asyncio.to_thread(self._store.load, request.namespace_id, hashes, dsts, lease_id)
+            if lease_id is not None:
+                self._leases.drop(lease_id)
+            self.metrics.load(request.namespace_id, result.tiers, "bytes", time.perf_counter() - started)
             yield pb.GetResponse(header=pb.GetHeader(requested_blocks=len(hashes), tiers=result.tiers,
                                                      block_bytes=spec.block_bytes))
             chunk_bytes = self._limits.chunk_bytes(request.chunk_bytes)
@@ -100,30 +143,80 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     @translate_errors
     async def GetSlots(self, request, context):
         self._limits.check_blocks("max_lookup_blocks", len(request.block_hashes))  # no payload bytes move
+        client = client_of(context)
+        self._leases.check(client)
+        started = time.perf_counter()
         grant = await asyncio.to_thread(shm.leased_slots, self._store, request.namespace_id,
                                         list(request.block_hashes), request.lease_ttl_s)
+        if grant.lease_id is not None:
+            self._leases.add(client, grant.lease_id, request.lease_ttl_s)
+        self.metrics.load(request.namespace_id, ["host"] * len(grant.slots), "shm", time.perf_counter() - started)
         return wire.slots_to_proto(grant)
 
     @translate_errors
     async def Put(self, request_iterator, context):
-        with self._transfers.hold():
+        with self._transfers.hold(client_of(context)):
             header = wire.put_header(await anext(request_iterator, None))
             hashes = list(header.block_hashes)
             self._limits.check_blocks("max_transfer_blocks", len(hashes))
             spec = self._store.spec(header.namespace_id)
             check_block_bytes(header.block_bytes, spec.block_bytes, "block payload", len(hashes))
             assembler = BlockAssembler(len(hashes), spec.block_bytes, self._limits.max_chunk_bytes)
+            started = time.perf_counter()
             async for message in request_iterator:
                 chunk = wire.put_chunk(message)
                 assembler.add(chunk.block_index, chunk.offset, chunk.data)
-            result = await asyncio.to_thread(self._store.put, header.namespace_id, hashes, assembler.finish(),
-                                             wire.optional(header, "parent"))
-            return wire.put_result_to_proto(result)
+            return await self._put(header.namespace_id, hashes, assembler.finish(), wire.optional(header, "parent"),
+                                   started)
+
+    @translate_errors
+    async def ReserveSlots(self, request, context):
+        staging = self._staging_area()
+        hashes = tuple(request.block_hashes)
+        self._limits.check_blocks("max_transfer_blocks", len(hashes))
+        spec = self._store.spec(request.namespace_id)
+        check_block_bytes(request.block_bytes, spec.block_bytes, "block payload", len(hashes))
+        ttl_s = request.ttl_s or DEFAULT_RESERVATION_TTL_S
+        reservation = await asyncio.to_thread(staging.reserve, request.namespace_id, hashes,
+                                              wire.optional(request, "parent"), spec.block_bytes, spec.num_layers,
+                                              ttl_s)
+        return wire.reservation_to_proto(reservation, staging.segment_path, ttl_s)
+
+    @translate_errors
+    async def CommitSlots(self, request, context):
+        staging = self._staging_area()
+        started = time.perf_counter()
+        reservation, payloads = await asyncio.to_thread(staging.take, request.reservation_id,
+                                                        wire.commit_checksums(request))
+        return await self._put(reservation.ns_id, list(reservation.block_hashes), payloads, reservation.parent,
+                               started)
+
+    async def _put(self, ns_id: bytes, hashes: list[bytes], payloads: list, parent: bytes | None,
+                   started: float) -> pb.PutResponse:
+        result = await asyncio.to_thread(self._store.put, ns_id, hashes, payloads, parent)
+        if self._durable_puts:
+            await asyncio.to_thread(self._store.flush)
+        nbytes = sum(p.nbytes for p in payloads)
+        self.metrics.put(ns_id, result.stored, result.duplicates, result.rejected, nbytes, time.perf_counter() - started)
+        return wire.put_result_to_proto(result, durable=self._durable_puts)
+
+    def _staging_area(self) -> StagingArea:
+        if self._staging is None:
+            raise KVStoreError("this sidecar has no staging area for shared-memory puts (started with "
+                               "--staging-capacity 0); use Put")
+        return self._staging
 
     @translate_errors
     async def Release(self, request, context):
+        self._leases.drop(request.lease_id)
         await asyncio.to_thread(self._store.release, request.lease_id)
         return pb.ReleaseResponse()
+
+    @translate_errors
+    async def ReportPrefill(self, request, context):
+        self._store.spec(request.namespace_id)  # an unknown namespace is NOT_FOUND
+        self.metrics.prefill(request.namespace_id, request.saved_tokens, request.computed_tokens)
+        return pb.ReportPrefillResponse()
 
     @translate_errors
     async def DeleteNamespace(self, request, context):

@@ -77,21 +77,24 @@ def leased_slots(store: TieredStore, ns_id: bytes, block_hashes: Sequence[bytes]
 
 
 class SegmentMaps:
-    """Read-only mappings of segment files, one per path, kept until ``close``. Thread-safe.
+    """Mappings of segment files, one per path, kept until ``close``. Thread-safe.
 
-    A path that cannot be opened or mapped (another host, another container's /dev/shm, no
-    permission) is remembered as unmappable, so the caller falls back to bytes once per path.
+    Read-only by default (the host tier's arena); ``writable=True`` for the staging segment of
+    shared-memory puts (kvstore.service.staging). A path that cannot be opened or mapped (another
+    host, another container's /dev/shm, no permission) is remembered as unmappable, so the caller
+    falls back to bytes once per path.
     """
 
-    def __init__(self):
+    def __init__(self, writable: bool = False):
+        self._writable = writable
         self._maps: dict[str, tuple[mmap.mmap, np.ndarray] | None] = {}
         self._lock = threading.Lock()
 
     def slot(self, path: str, offset: int, nbytes: int) -> np.ndarray | None:
-        """``[nbytes]`` uint8 read-only view of ``path`` at ``offset``; None if it cannot be mapped."""
+        """``[nbytes]`` uint8 view of ``path`` at ``offset``; None if it cannot be mapped."""
         with self._lock:
             if path not in self._maps:
-                self._maps[path] = _map_read_only(path)
+                self._maps[path] = _map(path, self._writable)
             mapped = self._maps[path]
         if mapped is None or offset + nbytes > mapped[1].nbytes:
             return None
@@ -108,15 +111,15 @@ class SegmentMaps:
                     pass  # a caller still holds a view; the mapping goes with the last reference
 
 
-def _map_read_only(path: str) -> tuple[mmap.mmap, np.ndarray] | None:
+def _map(path: str, writable: bool) -> tuple[mmap.mmap, np.ndarray] | None:
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
     except OSError:
         return None
     try:
-        mapping = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+        mapping = mmap.mmap(fd, 0, prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
     except (OSError, ValueError):  # ValueError: an empty file
         return None
     finally:
         os.close(fd)
-    return mapping, np.frombuffer(mapping, np.uint8)  # [segment bytes] read-only
+    return mapping, np.frombuffer(mapping, np.uint8)  # [segment bytes], read-only unless writable

@@ -13,6 +13,7 @@ from kvstore.keys import Namespace
 from kvstore.layout import BlockSpec
 from kvstore.results import LookupResult, PutResult, StoreStats
 from kvstore.service.shm import Slot, SlotGrant
+from kvstore.service.staging import Reservation
 from kvstore.service.v1 import kvstore_pb2 as pb
 from kvstore.tiers.base import TierStats
 
@@ -93,12 +94,23 @@ def put_chunk(message: pb.PutRequest) -> pb.Chunk:
     return message.chunk
 
 
-def put_result_to_proto(result: PutResult) -> pb.PutResponse:
-    return pb.PutResponse(stored=result.stored, duplicates=result.duplicates, rejected=result.rejected)
+def put_result_to_proto(result: PutResult, durable: bool = False) -> pb.PutResponse:
+    return pb.PutResponse(stored=result.stored, duplicates=result.duplicates, rejected=result.rejected,
+                          durable=durable)
 
 
 def put_result_from_proto(msg: pb.PutResponse) -> PutResult:
     return PutResult(msg.stored, msg.duplicates, msg.rejected)
+
+
+def reservation_to_proto(reservation: Reservation, segment_path: str, ttl_s: float) -> pb.ReserveSlotsResponse:
+    slots = [pb.Slot(offset=o, nbytes=reservation.block_bytes) for o in reservation.offsets]
+    return pb.ReserveSlotsResponse(reservation_id=reservation.reservation_id, segment_path=segment_path,
+                                   slots=slots, ttl_s=ttl_s, num_layers=reservation.num_layers)
+
+
+def commit_checksums(request: pb.CommitSlotsRequest) -> list[tuple[int, ...]]:
+    return [tuple(block.layer_checksums) for block in request.blocks]
 
 
 # ---- stats ---------------------------------------------------------------------------

@@ -187,14 +187,72 @@ class PutRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[PutHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
 
 class PutResponse(_message.Message):
-    __slots__ = ("stored", "duplicates", "rejected")
+    __slots__ = ("stored", "duplicates", "rejected", "durable")
     STORED_FIELD_NUMBER: _ClassVar[int]
     DUPLICATES_FIELD_NUMBER: _ClassVar[int]
     REJECTED_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_FIELD_NUMBER: _ClassVar[int]
     stored: int
     duplicates: int
     rejected: int
-    def __init__(self, stored: _Optional[int] = ..., duplicates: _Optional[int] = ..., rejected: _Optional[int] = ...) -> None: ...
+    durable: bool
+    def __init__(self, stored: _Optional[int] = ..., duplicates: _Optional[int] = ..., rejected: _Optional[int] = ..., durable: _Optional[bool] = ...) -> None: ...
+
+class ReserveSlotsRequest(_message.Message):
+    __slots__ = ("namespace_id", "block_hashes", "parent", "block_bytes", "ttl_s")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: bytes
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    parent: bytes
+    block_bytes: int
+    ttl_s: float
+    def __init__(self, namespace_id: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., parent: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+
+class ReserveSlotsResponse(_message.Message):
+    __slots__ = ("reservation_id", "segment_path", "slots", "ttl_s", "num_layers")
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_PATH_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: int
+    segment_path: str
+    slots: _containers.RepeatedCompositeFieldContainer[Slot]
+    ttl_s: float
+    num_layers: int
+    def __init__(self, reservation_id: _Optional[int] = ..., segment_path: _Optional[str] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., ttl_s: _Optional[float] = ..., num_layers: _Optional[int] = ...) -> None: ...
+
+class LayerChecksums(_message.Message):
+    __slots__ = ("layer_checksums",)
+    LAYER_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    layer_checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, layer_checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class CommitSlotsRequest(_message.Message):
+    __slots__ = ("reservation_id", "blocks")
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: int
+    blocks: _containers.RepeatedCompositeFieldContainer[LayerChecksums]
+    def __init__(self, reservation_id: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[LayerChecksums, _Mapping]]] = ...) -> None: ...
+
+class ReportPrefillRequest(_message.Message):
+    __slots__ = ("namespace_id", "saved_tokens", "computed_tokens")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    SAVED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: bytes
+    saved_tokens: int
+    computed_tokens: int
+    def __init__(self, namespace_id: _Optional[bytes] = ..., saved_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ...) -> None: ...
+
+class ReportPrefillResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_id",)

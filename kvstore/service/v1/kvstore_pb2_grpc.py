@@ -75,6 +75,21 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_service_dot_v1_dot_kvstore__pb2.StatsRequest.SerializeToString,
                 response_deserializer=kvstore_dot_service_dot_v1_dot_kvstore__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.ReserveSlots = channel.unary_unary(
+                '/kvstore.v1.KVStore/ReserveSlots',
+                request_serializer=kvstore_dot_service_dot_v1_dot_kvstore__pb2.ReserveSlotsRequest.SerializeToString,
+                response_deserializer=kvstore_dot_service_dot_v1_dot_kvstore__pb2.ReserveSlotsResponse.FromString,
+                _registered_method=True)
+        self.CommitSlots = channel.unary_unary(
+                '/kvstore.v1.KVStore/CommitSlots',
+                request_serializer=kvstore_dot_service_dot_v1_dot_kvstore__pb2.CommitSlotsRequest.SerializeToString,
+                response_deserializer=kvstore_dot_service_dot_v1_dot_kvstore__pb2.PutResponse.FromString,
+                _registered_method=True)
+        self.ReportPrefill = channel.unary_unary(
+                '/kvstore.v1.KVStore/ReportPrefill',
+                request_serializer=kvstore_dot_service_dot_v1_dot_kvstore__pb2.ReportPrefillRequest.SerializeToString,
+                response_deserializer=kvstore_dot_service_dot_v1_dot_kvstore__pb2.ReportPrefillResponse.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -143,6 +158,32 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReserveSlots(self, request, context):
+        """Same-host fast path for Put, step 1: reserve staging slots in a shared-memory segment the
+        caller maps read-write. Nothing is visible until CommitSlots; a reservation not committed
+        within ttl_s is dropped and its slots reused.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CommitSlots(self, request, context):
+        """Step 2: the caller has written every reserved slot; the server copies each out of the
+        staging segment, verifies it against the caller's per-layer checksums (a mismatch stores
+        nothing and answers INVALID_ARGUMENT), then puts the blocks like Put. Ends the reservation.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportPrefill(self, request, context):
+        """What a connector's prefill did (tokens loaded from hits instead of computed, and computed):
+        feeds the prefill-saved metrics and dashboard; changes nothing in the store.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -185,6 +226,21 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=kvstore_dot_service_dot_v1_dot_kvstore__pb2.StatsRequest.FromString,
                     response_serializer=kvstore_dot_service_dot_v1_dot_kvstore__pb2.StatsResponse.SerializeToString,
+            ),
+            'ReserveSlots': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReserveSlots,
+                    request_deserializer=kvstore_dot_service_dot_v1_dot_kvstore__pb2.ReserveSlotsRequest.FromString,
+                    response_serializer=kvstore_dot_service_dot_v1_dot_kvstore__pb2.ReserveSlotsResponse.SerializeToString,
+            ),
+            'CommitSlots': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitSlots,
+                    request_deserializer=kvstore_dot_service_dot_v1_dot_kvstore__pb2.CommitSlotsRequest.FromString,
+                    response_serializer=kvstore_dot_service_dot_v1_dot_kvstore__pb2.PutResponse.SerializeToString,
+            ),
+            'ReportPrefill': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportPrefill,
+                    request_deserializer=kvstore_dot_service_dot_v1_dot_kvstore__pb2.ReportPrefillRequest.FromString,
+                    response_serializer=kvstore_dot_service_dot_v1_dot_kvstore__pb2.ReportPrefillResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -404,6 +460,87 @@ class KVStore:
             '/kvstore.v1.KVStore/Stats',
             kvstore_dot_service_dot_v1_dot_kvstore__pb2.StatsRequest.SerializeToString,
             kvstore_dot_service_dot_v1_dot_kvstore__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReserveSlots(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/ReserveSlots',
+            kvstore_dot_service_dot_v1_dot_kvstore__pb2.ReserveSlotsRequest.SerializeToString,
+            kvstore_dot_service_dot_v1_dot_kvstore__pb2.ReserveSlotsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitSlots(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/CommitSlots',
+            kvstore_dot_service_dot_v1_dot_kvstore__pb2.CommitSlotsRequest.SerializeToString,
+            kvstore_dot_service_dot_v1_dot_kvstore__pb2.PutResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportPrefill(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/ReportPrefill',
+            kvstore_dot_service_dot_v1_dot_kvstore__pb2.ReportPrefillRequest.SerializeToString,
+            kvstore_dot_service_dot_v1_dot_kvstore__pb2.ReportPrefillResponse.FromString,
             options,
             channel_credentials,
             insecure,

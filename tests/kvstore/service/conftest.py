@@ -14,6 +14,7 @@ import pytest
 
 from kvstore.service.client import KVStoreClient
 from kvstore.service.limits import ServiceLimits
+from kvstore.service.metrics import ServiceMetrics
 from kvstore.service.server import create_server
 from kvstore.service.v1.kvstore_pb2_grpc import KVStoreStub
 
@@ -22,13 +23,16 @@ STORE_SIZES = dict(host_bytes=16 << 20, page_bytes=4 << 20, disk_bytes=64 << 20,
 
 
 class ServerThread:
-    """``create_server`` + ``start`` on a private event loop; ``stop`` shuts it all down."""
+    """``create_server`` + ``start`` on a private event loop; ``stop`` shuts it all down.
 
-    def __init__(self, store, limits: ServiceLimits = ServiceLimits(), address: str = "127.0.0.1:0"):
+    ``server_kw`` go to ``create_server`` (metrics, staging, durable_puts, token, tls)."""
+
+    def __init__(self, store, limits: ServiceLimits = ServiceLimits(), address: str = "127.0.0.1:0", **server_kw):
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="grpc-server-loop", daemon=True)
         self._thread.start()
-        self.server, self.port = self.run(create_server(address, store, limits))
+        self.metrics = server_kw.setdefault("metrics", ServiceMetrics(store))
+        self.server, self.port = self.run(create_server(address, store, limits, **server_kw))
         self.run(self.server.start())
         self.target = address if address.startswith("unix:") else f"127.0.0.1:{self.port}"
 
@@ -53,8 +57,9 @@ def start_server():
     """Factory: start a server over a store (optionally with limits or an address); stopped after."""
     servers = []
 
-    def start(store, limits: ServiceLimits = ServiceLimits(), address: str = "127.0.0.1:0") -> ServerThread:
-        servers.append(ServerThread(store, limits, address))
+    def start(store, limits: ServiceLimits = ServiceLimits(), address: str = "127.0.0.1:0",
+              **server_kw) -> ServerThread:
+        servers.append(ServerThread(store, limits, address, **server_kw))
         return servers[-1]
 
     yield start

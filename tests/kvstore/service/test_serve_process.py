@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import urllib.request
 
 import grpc
 import numpy as np
@@ -21,20 +22,23 @@ from tests.conftest import payloads_for
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
-def start_serving(*args, env=None) -> tuple[subprocess.Popen, str]:
-    """Start the sidecar; returns the process and the address from its ``listening on`` line."""
+def start_serving(*args, env=None) -> tuple[subprocess.Popen, str, str]:
+    """Start the sidecar (HTTP on a free port unless ``args`` say otherwise); returns the process,
+    the address from its ``listening on`` line and the URL from its ``dashboard on`` line."""
     environment = {**os.environ, "PYTHONPATH": REPO, **(env or {})}
-    process = subprocess.Popen([sys.executable, "-m", "kvstore.service", *args], stdout=subprocess.PIPE,
+    http = [] if "--http-address" in args else ["--http-address", "127.0.0.1:0"]
+    process = subprocess.Popen([sys.executable, "-m", "kvstore.service", *http, *args], stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, env=environment)
     line = process.stdout.readline()
-    if "listening on" not in line:
+    url_line = process.stdout.readline() if "--http-address off" not in " ".join(args) else "dashboard on -"
+    if "listening on" not in line or "dashboard on" not in url_line:
         process.kill()
-        pytest.fail(f"no listening line: {line!r}; stderr: {process.communicate(timeout=10)[1]}")
-    return process, line.split("listening on ", 1)[1].strip()
+        pytest.fail(f"no listening lines: {line!r} {url_line!r}; stderr: {process.communicate(timeout=10)[1]}")
+    return process, line.split("listening on ", 1)[1].strip(), url_line.split("dashboard on ", 1)[1].strip()
 
 
 def test_serve_takes_traffic_then_sigterm_exits_cleanly_and_disk_persists(tmp_path, namespace, spec, chain):
-    process, address = start_serving("--address", "127.0.0.1:0", "--data-dir", str(tmp_path),
+    process, address, url = start_serving("--address", "127.0.0.1:0", "--data-dir", str(tmp_path),
                                      "--host-capacity", "4MiB", env={"KVSTORE_DISK_CAPACITY": "256MiB"})
     try:
         assert address.startswith("127.0.0.1:") and not address.endswith(":0")
@@ -46,6 +50,12 @@ def test_serve_takes_traffic_then_sigterm_exits_cleanly_and_disk_persists(tmp_pa
             with grpc.insecure_channel(address) as channel:
                 reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
                 assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        assert url.startswith("http://127.0.0.1:") and not url.endswith(":0/")
+        with urllib.request.urlopen(url + "healthz", timeout=10) as reply:
+            assert reply.read() == b"ok"
+        with urllib.request.urlopen(url + "metrics", timeout=10) as reply:
+            exposition = reply.read().decode()
+        assert f'kvstore_put_blocks_total{{namespace="tiny-mla/{ns_id.hex()[:8]}",outcome="stored"}} 3.0' in exposition
         process.send_signal(signal.SIGTERM)
         out, err = process.communicate(timeout=60)
     finally:

@@ -1,0 +1,91 @@
+"""The sidecar's Prometheus metrics count exactly the traffic a real server saw, and /metrics serves them."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvstore.service.client import KVStoreClient
+from kvstore.service.http import create_http_app
+from kvstore.service.metrics import METRIC_NAMES, NamespaceLabels, ServiceMetrics
+from tests.conftest import payloads_for
+
+
+def scrape(registry) -> dict[tuple, float]:
+    """{(sample name, sorted labels): value} parsed from the exposition text, as Prometheus reads it."""
+    text = generate_latest(registry).decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_metrics_count_the_traffic_of_a_real_server(server, client, namespace, spec, chain):
+    ns_id = client.register_namespace(namespace)
+    label = ("namespace", f"tiny-mla/{ns_id.hex()[:8]}")
+    payloads = payloads_for(spec, chain[:3])
+    client.put(ns_id, chain[:3], payloads)
+    client.put(ns_id, chain[:3], payloads)  # all duplicates
+    hit = client.lookup(ns_id, chain[:5], lease_ttl_s=30)  # 3 of 5 blocks hit, 4 tokens each
+    dsts = [np.zeros(spec.block_bytes, np.uint8) for _ in range(3)]
+    client.load(ns_id, chain[:3], dsts, hit.lease_id)
+    client.load_shm(ns_id, chain[:2], dsts[:2])
+    client.report_prefill(ns_id, saved_tokens=12, computed_tokens=8)
+    with pytest.raises(grpc.RpcError):
+        client.lookup(b"\x01" * 16, chain[:1])  # unknown namespace: NOT_FOUND
+
+    got = scrape(server.metrics.registry)
+    assert got[("kvstore_lookups_total", (label,))] == 1
+    assert got[("kvstore_lookup_tokens_total", (label,))] == 20
+    assert got[("kvstore_hit_tokens_total", (label, ("tier", "host")))] == 12
+    assert got[("kvstore_loaded_tokens_total", (("path", "bytes"), ("tier", "host")))] == 12
+    assert got[("kvstore_loaded_tokens_total", (("path", "shm"), ("tier", "host")))] == 8
+    assert got[("kvstore_loaded_bytes_total", (("path", "shm"), ("tier", "host")))] == 2 * spec.block_bytes
+    assert got[("kvstore_put_blocks_total", (label, ("outcome", "stored")))] == 3
+    assert got[("kvstore_put_blocks_total", (label, ("outcome", "duplicate")))] == 3
+    assert got[("kvstore_put_bytes_total", ())] == 6 * spec.block_bytes
+    assert got[("kvstore_prefill_tokens_saved_total", (label,))] == 12
+    assert got[("kvstore_prefill_tokens_computed_total", (label,))] == 8
+    assert got[("kvstore_grpc_errors_total", (("code", "NOT_FOUND"), ("method", "Lookup")))] == 1
+    assert got[("kvstore_lookup_duration_seconds_count", ())] == 1
+    assert got[("kvstore_load_duration_seconds_count", (("path", "shm"),))] == 1
+
+    stats = client.stats()  # scrape-time gauges and counters mirror the store's own stats
+    host, disk = stats.tier("host"), stats.tier("disk")
+    assert got[("kvstore_tier_used_bytes", (("tier", "host"),))] == host.used_bytes > 0
+    assert got[("kvstore_tier_capacity_bytes", (("tier", "disk"),))] == disk.capacity_bytes
+    assert got[("kvstore_tier_blocks", (("tier", "host"),))] == 3
+    assert got[("kvstore_tier_written_bytes_total", (("tier", "host"),))] == host.bytes_written == 3 * spec.block_bytes
+    assert got[("kvstore_namespaces", ())] == 1
+    assert got[("kvstore_leases_active", ())] == 0
+
+    exported = {name for name, _ in got}
+    for name in METRIC_NAMES:
+        assert any(e == name or e.startswith(name + "_") for e in exported), f"{name} is not exported"
+
+
+def test_namespace_labels_are_bounded():
+    labels = NamespaceLabels(limit=2)
+    assert labels.label(b"\xaa" * 16, "m") == "m/aaaaaaaa"
+    assert labels.label(b"\xbb" * 16) == "ns/bbbbbbbb"
+    assert labels.label(b"\xcc" * 16, "m") == "other"
+    assert labels.label(b"\xaa" * 16, "m") == "m/aaaaaaaa", "known ids keep their label"
+
+
+def test_http_app_serves_metrics_and_healthz_and_protects_what_it_must(store):
+    metrics = ServiceMetrics(store)
+    serving = [True]
+    open_app = TestClient(create_http_app(metrics, token="t0k", serving=lambda: serving[0]))
+    assert open_app.get("/metrics").status_code == 200
+    assert "kvstore_tier_capacity_bytes" in open_app.get("/metrics").text
+    assert open_app.get("/healthz").text == "ok"
+    serving[0] = False
+    assert open_app.get("/healthz").status_code == 503
+
+    protected = TestClient(create_http_app(metrics, token="t0k", protect_metrics=True))
+    refused = protected.get("/metrics")
+    assert refused.status_code == 401 and "Bearer" in refused.json()["detail"]
+    assert protected.get("/metrics", headers={"Authorization": "Bearer t0k"}).status_code == 200
+    assert protected.get("/metrics", headers={"Authorization": "Bearer nope"}).status_code == 401

@@ -1,0 +1,109 @@
+"""Who may talk to the sidecar: bearer token on every call but health checks, TLS, exposure rules."""
+
+from __future__ import annotations
+
+import subprocess
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvstore.errors import InvalidRequest
+from kvstore.service import security
+from kvstore.service.client import KVStoreClient
+from tests.conftest import payloads_for
+
+TOKEN = "s3cret-token"
+
+
+@pytest.fixture
+def token_server(store, start_server):
+    return start_server(store, token=TOKEN)
+
+
+def test_calls_without_the_token_are_unauthenticated_with_a_message_and_health_stays_open(token_server, namespace,
+                                                                                         spec, chain, monkeypatch):
+    monkeypatch.delenv("KVSTORE_TOKEN", raising=False)
+    monkeypatch.delenv("KVSTORE_TOKEN_FILE", raising=False)
+    with KVStoreClient(token_server.target, timeout_s=10) as anonymous:
+        with pytest.raises(grpc.RpcError) as unary:
+            anonymous.register_namespace(namespace)
+        assert unary.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert "authorization: Bearer TOKEN" in unary.value.details()
+        with pytest.raises(grpc.RpcError) as streaming:  # a server-streaming call is refused the same way
+            anonymous.load(namespace.id, chain[:1], [np.zeros(spec.block_bytes, np.uint8)])
+        assert streaming.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with KVStoreClient(token_server.target, timeout_s=10, token="wrong") as wrong:
+        with pytest.raises(grpc.RpcError) as bad:
+            wrong.stats()
+        assert bad.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+    with grpc.insecure_channel(token_server.target) as channel:  # probes carry no token
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    monkeypatch.setenv("KVSTORE_TOKEN", TOKEN)  # the client reads it from the environment
+    with KVStoreClient(token_server.target, timeout_s=10) as trusted:
+        ns_id = trusted.register_namespace(namespace)
+        payloads = payloads_for(spec, chain[:2])
+        assert trusted.put(ns_id, chain[:2], payloads).stored == 2
+        dsts = [np.zeros(spec.block_bytes, np.uint8) for _ in range(2)]
+        assert trusted.load(ns_id, chain[:2], dsts).complete and np.array_equal(dsts[1], payloads[1])
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory):
+    """A self-signed certificate for 127.0.0.1 and localhost (openssl)."""
+    directory = tmp_path_factory.mktemp("tls")
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    return str(cert), str(key)
+
+
+def test_tls_server_serves_a_client_that_trusts_its_certificate_and_refuses_plaintext(store, start_server, tls_files,
+                                                                                     namespace):
+    tls = security.read_tls(*tls_files)
+    server = start_server(store, tls=tls, token=TOKEN)
+    roots = open(tls_files[0], "rb").read()
+    with KVStoreClient(server.target, timeout_s=10, token=TOKEN, root_certificates=roots) as secure:
+        assert secure.register_namespace(namespace) == namespace.id
+    with KVStoreClient(server.target, timeout_s=3, token=TOKEN) as plaintext:
+        with pytest.raises(grpc.RpcError) as info:
+            plaintext.register_namespace(namespace)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+@pytest.mark.parametrize("address, local", [
+    ("unix:/run/kvstore.sock", True), ("127.0.0.1:50551", True), ("127.5.0.1:1", True), ("[::1]:50551", True),
+    ("localhost:50551", True), ("0.0.0.0:50551", False), ("10.1.2.3:50551", False), ("[::]:50551", False),
+    ("node-7.example:50551", False),
+])
+def test_local_addresses_are_loopback_and_unix_sockets_only(address, local):
+    assert security.is_local_address(address) is local
+
+
+def test_exposure_beyond_loopback_needs_a_token_and_tls_unless_plaintext_is_allowed():
+    security.check_exposure("--address", "127.0.0.1:1", None, tls=False, allow_plaintext=False)
+    with pytest.raises(InvalidRequest, match="give a bearer token"):
+        security.check_exposure("--address", "0.0.0.0:1", None, tls=True, allow_plaintext=False)
+    with pytest.raises(InvalidRequest, match="give --tls-cert and --tls-key"):
+        security.check_exposure("--address", "0.0.0.0:1", "t", tls=False, allow_plaintext=False)
+    security.check_exposure("--address", "0.0.0.0:1", "t", tls=False, allow_plaintext=True)
+    security.check_exposure("--http-address", "0.0.0.0:1", "t", tls=False, allow_plaintext=False, needs_tls=False)
+
+
+def test_token_comes_from_a_file_and_an_empty_one_is_an_error(tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("abc123\nignored\n")
+    assert security.load_token(None, str(token_file)) == "abc123"
+    token_file.write_text("\n")
+    with pytest.raises(InvalidRequest, match="is empty"):
+        security.load_token(None, str(token_file))
+    with pytest.raises(InvalidRequest, match="cannot read the token file"):
+        security.load_token(None, str(tmp_path / "missing"))
+    with pytest.raises(InvalidRequest, match="TLS needs both"):
+        security.read_tls(str(token_file), None)
+    assert security.load_token(None, None) is None

@@ -1,0 +1,147 @@
+"""Same-host puts through the staging segment: reserve, write, commit; verified before visible."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from kvstore.checksum import layer_checksums
+from kvstore.errors import InvalidRequest, UnknownLease
+from kvstore.results import PutResult
+from kvstore.service.client import KVStoreClient
+from kvstore.service.staging import StagingArea, StagingFull
+from kvstore.service.v1 import kvstore_pb2 as pb
+from kvstore.service.v1.kvstore_pb2_grpc import KVStoreStub
+from tests.conftest import payloads_for
+
+Code = grpc.StatusCode
+
+
+@pytest.fixture
+def staging(tmp_path):
+    area = StagingArea(1 << 20, shm_dir=str(tmp_path), page_bytes=64 << 10)
+    yield area
+    area.close()
+
+
+@pytest.fixture
+def staged_server(store, start_server, staging):
+    return start_server(store, staging=staging)
+
+
+@pytest.fixture
+def staged_client(staged_server):
+    with KVStoreClient(staged_server.target, timeout_s=30) as c:
+        yield c
+
+
+@pytest.fixture
+def staged_stub(staged_server):
+    with grpc.insecure_channel(staged_server.target) as channel:
+        yield KVStoreStub(channel)
+
+
+def write_slots(response: pb.ReserveSlotsResponse, payloads) -> list[pb.LayerChecksums]:
+    """What a client does between reserve and commit: write each payload into its slot."""
+    fd = os.open(response.segment_path, os.O_RDWR)
+    try:
+        mapping = mmap.mmap(fd, 0)
+    finally:
+        os.close(fd)
+    arena = np.frombuffer(mapping, np.uint8)
+    for slot, payload in zip(response.slots, payloads):
+        arena[slot.offset : slot.offset + slot.nbytes] = payload
+    return [pb.LayerChecksums(layer_checksums=layer_checksums(p, response.num_layers)) for p in payloads]
+
+
+def test_put_shm_stores_byte_exact_blocks_that_then_hit(staged_client, staged_server, namespace, spec, chain, staging):
+    ns_id = staged_client.register_namespace(namespace)
+    payloads = payloads_for(spec, chain[:4])
+    assert staged_client.put_shm(ns_id, chain[:4], payloads) == PutResult(4, 0, 0)
+    assert staged_client.put_shm(ns_id, chain[3:5], payloads_for(spec, chain[3:5]), parent=chain[2]) == PutResult(1, 1, 0)
+
+    assert staged_client.lookup(ns_id, chain[:6]).hit_blocks == 5
+    dsts = [np.zeros(spec.block_bytes, np.uint8) for _ in range(4)]
+    assert staged_client.load(ns_id, chain[:4], dsts).complete
+    assert all(np.array_equal(d, p) for d, p in zip(dsts, payloads))
+    assert staging.active() == 0, "a commit ends its reservation"
+    totals = staged_server.metrics.totals()
+    assert totals["kvstore_put_blocks_total"][(("namespace", f"tiny-mla/{ns_id.hex()[:8]}"), ("outcome", "stored"))] == 5
+
+
+def test_commit_of_bytes_that_fail_their_checksums_stores_nothing(staged_stub, namespace, spec, chain):
+    stub = staged_stub
+    ns_id = stub.RegisterNamespace(pb.RegisterNamespaceRequest(canonical_json=namespace.canonical_json())).namespace_id
+    reserved = stub.ReserveSlots(pb.ReserveSlotsRequest(namespace_id=ns_id, block_hashes=chain[:2],
+                                                        block_bytes=spec.block_bytes))
+    payloads = payloads_for(spec, chain[:2])
+    checksums = write_slots(reserved, payloads)
+    write_slots(reserved, [payloads[0], payloads[1][::-1].copy()])  # the second block torn after its checksum
+
+    with pytest.raises(grpc.RpcError) as info:
+        stub.CommitSlots(pb.CommitSlotsRequest(reservation_id=reserved.reservation_id, blocks=checksums))
+    assert info.value.code() == Code.INVALID_ARGUMENT
+    assert "block 1: the staged bytes do not match their checksums" in info.value.details()
+    lookup = stub.Lookup(pb.LookupRequest(namespace_id=ns_id, block_hashes=chain[:2]))
+    assert list(lookup.tiers) == [], "no block of a refused commit is visible"
+
+    with pytest.raises(grpc.RpcError) as again:  # the failed commit ended the reservation
+        stub.CommitSlots(pb.CommitSlotsRequest(reservation_id=reserved.reservation_id, blocks=checksums))
+    assert again.value.code() == Code.NOT_FOUND and "reserve again" in again.value.details()
+
+
+def test_reservation_lapses_after_its_ttl_and_its_slots_are_reused(staging, namespace, spec, chain):
+    first = staging.reserve(namespace.id, tuple(chain[:2]), None, spec.block_bytes, spec.num_layers, ttl_s=0.05)
+    time.sleep(0.1)
+    second = staging.reserve(namespace.id, tuple(chain[:2]), None, spec.block_bytes, spec.num_layers, ttl_s=5)
+    assert staging.lapsed == 1 and staging.active() == 1
+    assert set(second.offsets) == set(first.offsets), "the lapsed slots were free again"
+    with pytest.raises(UnknownLease, match="unknown or lapsed"):
+        staging.take(first.reservation_id, [(0, 0)] * 2)
+
+
+def test_a_full_staging_area_refuses_with_the_limit_name_and_put_shm_falls_back(staged_client, staging, namespace,
+                                                                                 spec, chain):
+    page, slot = staging._slab.page_bytes, staging._slab.slot_bytes(spec.block_bytes)
+    fits = staging.capacity_bytes // page * (page // slot)
+    held = staging.reserve(namespace.id, tuple(chain[:1]) * fits, None, spec.block_bytes, spec.num_layers, 30)
+    with pytest.raises(StagingFull, match="staging_bytes=1048576"):
+        staging.reserve(namespace.id, tuple(chain[:1]), None, spec.block_bytes, spec.num_layers, 30)
+
+    ns_id = staged_client.register_namespace(namespace)
+    payloads = payloads_for(spec, chain[:2])
+    assert staged_client.put_shm(ns_id, chain[:2], payloads) == PutResult(2, 0, 0), "fell back to Put"
+    assert staging.active() == 1 and held.reservation_id
+
+
+def test_take_verifies_a_private_copy_not_the_slot_a_client_can_still_write(staging, namespace, spec, chain):
+    reservation = staging.reserve(namespace.id, tuple(chain[:1]), None, spec.block_bytes, spec.num_layers, 30)
+    (payload,) = payloads_for(spec, chain[:1])
+    arena = np.frombuffer(staging._mmap, np.uint8)
+    arena[reservation.offsets[0] : reservation.offsets[0] + spec.block_bytes] = payload
+    _, (copy,) = staging.take(reservation.reservation_id, [layer_checksums(payload, spec.num_layers)])
+    arena[reservation.offsets[0] : reservation.offsets[0] + spec.block_bytes] = 0  # the client writes on
+    assert np.array_equal(copy, payload)
+
+
+def test_wrong_checksum_count_is_refused(staging, namespace, spec, chain):
+    reservation = staging.reserve(namespace.id, tuple(chain[:2]), None, spec.block_bytes, spec.num_layers, 30)
+    with pytest.raises(InvalidRequest, match="checksums for 1 blocks, the reservation has 2 slots"):
+        staging.take(reservation.reservation_id, [(1, 2)])
+
+
+def test_a_sidecar_without_staging_answers_failed_precondition_and_put_shm_falls_back(client, stub, namespace,
+                                                                                     spec, chain):
+    ns_id = client.register_namespace(namespace)
+    with pytest.raises(grpc.RpcError) as info:
+        stub.ReserveSlots(pb.ReserveSlotsRequest(namespace_id=ns_id, block_hashes=chain[:1],
+                                                 block_bytes=spec.block_bytes))
+    assert info.value.code() == Code.FAILED_PRECONDITION and "use Put" in info.value.details()
+    payloads = payloads_for(spec, chain[:3])
+    assert client.put_shm(ns_id, chain[:3], payloads) == PutResult(3, 0, 0)
+    assert client.lookup(ns_id, chain[:3]).hit_blocks == 3
