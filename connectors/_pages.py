@@ -8,6 +8,7 @@ of the engine's pool holds one layer of one block (``PageBytes.layer_page_bytes`
 from __future__ import annotations
 
 import logging
+import warnings
 import queue
 import threading
 from typing import Callable, Sequence
@@ -52,7 +53,16 @@ def scatter_layer(spec: BlockSpec, pool: PageBytes, layer: int, page: int, paylo
     """Write layer ``layer`` of a block payload into ``page`` (a CPU or device page alike)."""
     offset, size = spec.layer_range(layer)
     target = pool.layer_page_bytes(layer, page)  # [layer_bytes] uint8
-    target.copy_(torch.from_numpy(payload[offset : offset + size]).view(target.dtype).reshape(target.shape))
+    target.copy_(_source_tensor(payload[offset : offset + size]).view(target.dtype).reshape(target.shape))
+
+
+def _source_tensor(source: np.ndarray) -> torch.Tensor:
+    """A tensor over ``source`` that is only read (a read-only shared-memory view is fine)."""
+    if source.flags.writeable:
+        return torch.from_numpy(source)
+    with warnings.catch_warnings():  # torch warns that writing would be undefined; we never write
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(source)
 
 
 class BackgroundLoad(LoadHandle):

@@ -96,6 +96,11 @@ class KVConnector(ABC):
         the store's lower tiers. Copies before returning; by default a one-block ``save``."""
         self.save("device-eviction", [block_hash], [page], pool, parent)
 
+    def report_prefill(self, request_id: str, saved_tokens: int, computed_tokens: int) -> None:
+        """The request's prefill is done: ``saved_tokens`` came from the store, ``computed_tokens``
+        were computed. For the store's metrics only (a sidecar counts them); the in-process store
+        keeps no such counter, so by default this does nothing. Never raises."""
+
     @abstractmethod
     def flush(self) -> None:
         """Wait until every ``save`` so far has been copied out of the engine's pages."""

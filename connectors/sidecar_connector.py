@@ -5,20 +5,24 @@ Several engine processes on one host each hold a ``SidecarConnector`` to the sam
 
     connector = SidecarConnector("127.0.0.1:50551", namespace)   # or "unix:/run/kvstore.sock"
 
-How each side maps onto the sidecar's calls (``KVStoreClient``, the bytes path):
+How each side maps onto the sidecar's calls (``KVStoreClient``), fast path chosen automatically:
 
 - ``lookup``: one ``Lookup`` with a lease (at most ``max_lookup_blocks`` hashes: a longer prompt
   is looked up by its first ones, the hit is a prefix anyway).
-- ``start_load``: a background thread fetches the hit's whole blocks with ``Get`` calls of at most
-  ``max_transfer_blocks`` blocks into one reused set of host buffers, and copies each batch into
-  the engine's pages. Layers cannot arrive before whole blocks (``Get`` moves whole blocks), so
-  per-layer readiness is signalled while the *last* batch is copied into its pages layer by layer:
-  ``wait_layer(l)`` returns once layer ``l`` of every block sits in its page, exactly as with
-  ``StoreConnector``; host memory stays bounded by one batch however long the hit. Only the last
-  ``Get`` carries the lease (the server ends a lease with the call that names it), so every block
-  stays pinned until it is fetched; a load that fails releases the lease itself.
+- ``start_load``: a background thread calls ``GetSlots``, which leases the whole hit and says
+  where its host-tier blocks sit in the sidecar's shared memory. Those are copied straight from
+  the mapping into the engine's pages (same host: one copy, no bytes through gRPC); the rest (disk
+  blocks, or all of them when the segment cannot be mapped: another host or container) come
+  through ``Get`` calls of at most ``max_transfer_blocks`` blocks into one reused set of host
+  buffers. Only once the slots' lease is released *successfully* (it was alive through every
+  copy, so no slot was reused under us) are the layers signalled ready; if it expired meanwhile
+  the load fails and the engine recomputes. Layers are therefore signalled together at the end
+  (no per-layer overlap with compute, unlike ``StoreConnector``): the price of verifying the
+  copies without hashing them.
 - ``save``: gathers the pages into payloads before returning (like ``StoreConnector``), then a
-  background writer sends them with ``Put`` calls of at most ``max_transfer_blocks`` blocks.
+  background writer hands them over with ``put_shm`` (staging slots in shared memory, verified by
+  the sidecar at commit; ``Put`` where that cannot be used), at most ``max_transfer_blocks`` a call.
+- ``report_prefill``: one ``ReportPrefill`` on a background thread, for the sidecar's metrics.
 
 A sidecar that is down, restarting or refusing never crashes the engine: ``lookup`` returns a
 0-block hit, a load fails with ``LoadFailed`` (the engine recomputes), a save is logged and
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Sequence
 
@@ -68,6 +73,7 @@ class SidecarConnector(KVConnector):
         self._leases: dict[str, int] = {}
         self._lock = threading.Lock()
         self._saves = SaveWriter(self._put, "saving blocks to the sidecar failed; they stay uncached", logger=log)
+        self._reports = ThreadPoolExecutor(1, thread_name_prefix="kvstore-report")  # off the engine's step
         try:
             self._ensure_registered()
         except Exception as exc:
@@ -99,27 +105,47 @@ class SidecarConnector(KVConnector):
         loaded = threading.Event()
 
         def fetch_and_copy(layer_done) -> None:
-            buffers = [np.empty(self.spec.block_bytes, np.uint8) for _ in range(min(self._batch, len(hashes)))]
-            for start in range(0, len(hashes), self._batch):
-                batch, batch_pages = hashes[start : start + self._batch], pages[start : start + self._batch]
-                last = start + self._batch >= len(hashes)
-                dsts = buffers[: len(batch)]
-                result = self.client.load(self.ns_id, batch, dsts, lease_id if last else None)
-                if result.loaded_blocks < len(batch):
-                    missing = batch[result.loaded_blocks]
-                    raise LoadFailed(f"block {missing.hex()} could not be loaded from the sidecar")
-                for layer in range(self.spec.num_layers):
-                    for page, payload in zip(batch_pages, dsts):
-                        scatter_layer(self.spec, pool, layer, page, payload)
-                    if last:  # whole blocks arrive per Get: the last batch signals layer by layer
-                        layer_done(layer + 1)
+            grant = self.client.get_slots(self.ns_id, hashes, self.lease_ttl_s)  # pins the whole hit
+            try:
+                in_memory = self.client.slot_views(grant)[: len(hashes)]  # same host: mapped shared memory
+                self._scatter(pool, pages, in_memory)
+                self._fetch_into(pool, hashes[len(in_memory):], pages[len(in_memory):])
+            finally:
+                intact = self.client.release_grant(grant)
+            if not intact:  # the lease ran out while we copied: a slot may have been reused meanwhile
+                raise LoadFailed(f"the sidecar's lease on {len(hashes)} blocks expired during the copy")
+            layer_done(self.spec.num_layers)
             loaded.set()
 
-        def finish() -> None:  # a Get naming the lease ended it; after a failure end it ourselves
-            if not loaded.is_set():
-                self._end_lease(lease_id)
+        def finish() -> None:  # the lookup's lease: the slots' own lease pinned the copy
+            self._end_lease(lease_id)
 
         return BackgroundLoad(hit.request_id, len(hashes), self.spec.num_layers, fetch_and_copy, finish, logger=log)
+
+    def _fetch_into(self, pool: PageBytes, hashes: list[bytes], pages: list[int]) -> None:
+        """Whole blocks through Get (on disk, or a sidecar whose memory cannot be mapped here), in
+        batches of at most ``max_transfer_blocks`` through one reused set of host buffers."""
+        buffers = [np.empty(self.spec.block_bytes, np.uint8) for _ in range(min(self._batch, len(hashes)))]
+        for start in range(0, len(hashes), self._batch):
+            batch, dsts = hashes[start : start + self._batch], buffers[: len(hashes[start : start + self._batch])]
+            result = self.client.load(self.ns_id, batch, dsts)
+            if result.loaded_blocks < len(batch):
+                raise LoadFailed(f"block {batch[result.loaded_blocks].hex()} could not be loaded from the sidecar")
+            self._scatter(pool, pages[start : start + self._batch], dsts)
+
+    def _scatter(self, pool: PageBytes, pages: Sequence[int], payloads: Sequence[np.ndarray]) -> None:
+        for layer in range(self.spec.num_layers):
+            for page, payload in zip(pages, payloads):
+                scatter_layer(self.spec, pool, layer, page, payload)
+
+    def report_prefill(self, request_id: str, saved_tokens: int, computed_tokens: int) -> None:
+        self._reports.submit(self._report, saved_tokens, computed_tokens)
+
+    def _report(self, saved_tokens: int, computed_tokens: int) -> None:
+        try:
+            self._call(lambda: self.client.report_prefill(self.ns_id, saved_tokens, computed_tokens))
+        except Exception as exc:
+            log.debug("reporting a prefill to the sidecar failed: %s", _describe(exc))
 
     def save(self, request_id: str, block_hashes: Sequence[bytes], pages: Sequence[int], pool: PageBytes,
              parent: bytes | None) -> None:
@@ -137,6 +163,7 @@ class SidecarConnector(KVConnector):
 
     def close(self) -> None:
         self._saves.close()
+        self._reports.shutdown(wait=True)
         with self._lock:
             leases, self._leases = list(self._leases.values()), {}
         for lease_id in leases:
@@ -154,7 +181,7 @@ class SidecarConnector(KVConnector):
         for start in range(0, len(hashes), self._batch):
             batch = slice(start, start + self._batch)
             batch_parent = parent if start == 0 else hashes[start - 1]
-            self._call(partial(self.client.put, self.ns_id, hashes[batch], payloads[batch], parent=batch_parent))
+            self._call(partial(self.client.put_shm, self.ns_id, hashes[batch], payloads[batch], parent=batch_parent))
 
     def _ensure_registered(self) -> None:
         if not self._registered:

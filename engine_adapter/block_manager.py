@@ -126,6 +126,12 @@ class BlockManager:
                                 self.pool, self._parent(seq, first))
             self._saves_unflushed = True
 
+    def prefill_done(self, seq: Sequence) -> None:
+        """Tell the connector what the prefill of ``seq`` loaded and computed (for its metrics)."""
+        if self.connector is not None:
+            self.connector.report_prefill(seq.request_id, seq.stats.connector_hit_tokens,
+                                          seq.stats.computed_prompt_tokens)
+
     def free(self, seq: Sequence) -> None:
         """Release everything the sequence holds; its registered pages stay cached in the pool."""
         if seq.load is not None:

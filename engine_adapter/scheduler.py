@@ -81,6 +81,7 @@ class Scheduler:
             seq.token_ids.append(token)
             if seq.stats.ttft_s is None:
                 seq.stats.ttft_s = time.perf_counter() - seq.arrival
+                self.blocks.prefill_done(seq)
             if seq.is_finished:
                 self.running.remove(seq)
                 self.blocks.free(seq)

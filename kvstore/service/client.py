@@ -145,16 +145,31 @@ class KVStoreClient:
         served = (HostTier.name,) * copied + tail
         return LoadResult(len(block_hashes), served, len(served) * grant.block_bytes)
 
+    def slot_views(self, grant: SlotGrant) -> list[np.ndarray]:
+        """Read-only ``[block_bytes]`` views of the grant's leading slots that can be mapped here
+        (none on another host). Their bytes are the blocks' only while the grant's lease lives."""
+        views = []
+        for slot in grant.slots:
+            source = self._segments.slot(grant.segment_path, slot.offset, slot.nbytes)
+            if source is None or slot.nbytes != grant.block_bytes:
+                break
+            views.append(source)
+        return views
+
+    def release_grant(self, grant: SlotGrant) -> bool:
+        """End the grant's lease; False when it had expired (copies taken from its slots are void)."""
+        return grant.lease_id is None or self._release_if_held(grant.lease_id)
+
     def _copy_slots(self, grant: SlotGrant, views: Sequence, verify: bool) -> int:
         """Copy the leading slots into ``views``; returns how many blocks were copied."""
-        for i, slot in enumerate(grant.slots):
-            source = self._segments.slot(grant.segment_path, slot.offset, slot.nbytes)
-            if source is None or slot.nbytes != views[i].nbytes:
+        sources = self.slot_views(grant)
+        for i, source in enumerate(sources):
+            if source.nbytes != views[i].nbytes:
                 return i
             np.copyto(views[i], source)  # [block_bytes] uint8, memcpy with the GIL released
-            if verify and not layers_match(views[i], slot.layer_checksums):
+            if verify and not layers_match(views[i], grant.slots[i].layer_checksums):
                 return i
-        return len(grant.slots)
+        return len(sources)
 
     def _load_batched(self, ns_id: bytes, block_hashes: Sequence[bytes], views: Sequence) -> tuple[str, ...]:
         """Get in calls of at most max_transfer_blocks; the tiers of the blocks served, stopping at a miss."""

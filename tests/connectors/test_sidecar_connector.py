@@ -76,6 +76,33 @@ def test_what_one_engine_saves_another_loads_layer_by_layer_byte_exact(make_stor
     assert store.stats().tier("host").loaded_blocks >= 6
 
 
+def test_same_host_saves_and_loads_go_through_shared_memory_and_prefills_reach_the_metrics(make_store, sidecars,
+                                                                                          connectors, hashes):
+    sidecar = sidecars(make_store())
+    producer, consumer = connectors(sidecar.target, NS), connectors(sidecar.target, NS)
+    source = BytePool(8, seed=3)
+    producer.save("a", hashes, [1, 2, 3, 4, 5, 6], source, parent=None)
+    producer.flush()
+    assert sidecar.staging.active() == 0 and sidecar.store.stats().stored_blocks == 6
+
+    hit = consumer.lookup("b", hashes)
+    target = BytePool(8)
+    assert consumer.start_load(hit, hashes, [6, 5, 4, 3, 2, 1], target).wait() == 6
+    for layer in range(SPEC.num_layers):
+        for src_page, dst_page in zip([1, 2, 3, 4, 5, 6], [6, 5, 4, 3, 2, 1]):
+            assert torch.equal(target.layer_page_bytes(layer, dst_page), source.layer_page_bytes(layer, src_page))
+    consumer.report_prefill("b", saved_tokens=24, computed_tokens=5)
+    consumer.close()  # waits for the report
+
+    totals = sidecar.metrics.totals()
+    label = ("namespace", f"{NS.model}/{NS.id.hex()[:8]}")
+    assert totals["kvstore_loaded_tokens_total"][(("path", "shm"), ("tier", "host"))] == 24
+    assert (("path", "bytes"), ("tier", "host")) not in totals["kvstore_loaded_tokens_total"], "no bytes over gRPC"
+    assert totals["kvstore_prefill_tokens_saved_total"][(label,)] == 24
+    assert totals["kvstore_prefill_tokens_computed_total"][(label,)] == 5
+    assert sidecar.store.stats().leases_active == 0
+
+
 def test_long_saves_and_loads_are_split_at_the_transfer_limit(make_store, sidecars, connectors):
     limits = ServiceLimits(max_transfer_blocks=4, max_lookup_blocks=8)
     store = make_store()
