@@ -4,6 +4,7 @@ Every field can come from the environment under one prefix, ``KVSTORE_`` (flags 
 environment, the environment overrides defaults)::
 
     KVSTORE_HOST_CAPACITY=4GiB      host tier bytes ("0" disables the tier; default: auto)
+    KVSTORE_SHM_DIR=/dev/shm        where the host tier's shared-memory segment lives (default /dev/shm)
     KVSTORE_DISK_PATH=/var/lib/kvstore
     KVSTORE_DISK_CAPACITY=200GiB    disk tier bytes ("0" disables it; default: auto)
     KVSTORE_DURABLE=1               acknowledge a disk write only after fsync
@@ -122,6 +123,8 @@ class StoreConfig:
         host, disk = HostConfig(), DiskConfig()
         if "HOST_CAPACITY" in env:
             host.capacity_bytes = parse_size(env["HOST_CAPACITY"])
+        if "SHM_DIR" in env:
+            host.shm_dir = env["SHM_DIR"]
         if "DISK_PATH" in env:
             disk.path = env["DISK_PATH"]
         if "DISK_CAPACITY" in env:

@@ -37,6 +37,7 @@ from kvstore.service.servicer import SERVICE_NAME, KVStoreServicer
 from kvstore.service.staging import StagingArea
 from kvstore.service.v1 import kvstore_pb2_grpc
 from kvstore.store import TieredStore
+from kvstore.tiers.shm_segment import remove_stale_segments
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +87,11 @@ async def serve(config: ServeConfig, store_config: StoreConfig, ready: Callable[
                                 config.allow_plaintext, needs_tls=False)
     if config.durable_puts and store_config.disk is None:
         raise InvalidRequest("durable puts need a disk tier: give --disk-capacity, or drop --durable-puts")
+    shm_dir = store_config.host.shm_dir if store_config.host else None
+    for path in remove_stale_segments(shm_dir):  # left by a sidecar killed before it could clean up
+        log.warning("removed the stale shared-memory segment %s of a dead sidecar", path)
     store = await asyncio.to_thread(store_config.open_store)  # a large host tier takes seconds to prefault
-    staging = StagingArea(config.staging_bytes) if config.staging_bytes else None
+    staging = StagingArea(config.staging_bytes, shm_dir) if config.staging_bytes else None
     http = sampler = None
     try:
         health = health_aio.HealthServicer()

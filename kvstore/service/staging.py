@@ -18,11 +18,8 @@ a reservation not committed within its TTL lapses and its slots are reused.
 from __future__ import annotations
 
 import itertools
-import mmap
-import os
 import threading
 import time
-import uuid
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,7 +27,7 @@ import numpy as np
 from kvstore.checksum import layer_checksums
 from kvstore.errors import InvalidRequest, StoreClosed, UnknownLease
 from kvstore.service.limits import LimitExceeded
-from kvstore.tiers.host import default_shm_dir
+from kvstore.tiers.shm_segment import Segment
 from kvstore.tiers.slab import SlabAllocator
 
 DEFAULT_STAGING_BYTES = 256 << 20
@@ -60,18 +57,9 @@ class StagingArea:
                  page_bytes: int = 64 << 20):
         page_bytes = max(4096, min(page_bytes, capacity_bytes) // 4096 * 4096)
         self._slab = SlabAllocator(capacity_bytes, page_bytes)
-        self.segment_path = os.path.join(shm_dir or default_shm_dir(),
-                                         f"kvstore-staging-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        fd = os.open(self.segment_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, self._slab.capacity_bytes)
-            self._mmap = mmap.mmap(fd, self._slab.capacity_bytes, flags=mmap.MAP_SHARED)
-        except BaseException:
-            os.unlink(self.segment_path)
-            raise
-        finally:
-            os.close(fd)
-        self._arena = np.frombuffer(self._mmap, np.uint8)  # [capacity] bytes
+        self._segment = Segment(self._slab.capacity_bytes, shm_dir, kind="staging")
+        self.segment_path = self._segment.path
+        self._arena = np.frombuffer(self._segment.mmap, np.uint8)  # [capacity] bytes
         self._reservations: dict[int, Reservation] = {}
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
@@ -141,14 +129,7 @@ class StagingArea:
             self._closed = True
             self._reservations.clear()
             self._arena = None
-        try:
-            self._mmap.close()
-        except BufferError:
-            pass
-        try:
-            os.unlink(self.segment_path)
-        except FileNotFoundError:
-            pass
+        self._segment.close()
 
     def _lapse_expired(self) -> None:
         now = time.monotonic()

@@ -11,23 +11,17 @@ so a lower tier, or a remote client committing into a slot, can verify).
 
 from __future__ import annotations
 
-import mmap
-import os
 import threading
-import uuid
 from typing import Iterator
 
 import numpy as np
 
 from kvstore.errors import InvalidRequest, StoreClosed
 from kvstore.tiers.base import BlockMeta, Tier, TierStats
+from kvstore.tiers.shm_segment import Segment
 from kvstore.tiers.slab import SlabAllocator
 
 DEFAULT_PAGE_BYTES = 64 << 20
-
-
-def default_shm_dir() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
 
 
 class HostTier(Tier):
@@ -46,21 +40,10 @@ class HostTier(Tier):
             raise InvalidRequest(f"host tier capacity must be at least 4096 bytes, got {capacity_bytes}")
         self._slab = SlabAllocator(capacity_bytes, page_bytes)
         self.capacity_bytes = self._slab.capacity_bytes
-        name = segment_name or f"kvstore-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.segment_path = os.path.join(shm_dir or default_shm_dir(), name)
-        fd = os.open(self.segment_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, self.capacity_bytes)
-            # Prefault: tmpfs pages are allocated on first touch at ~0.7 GB/s here; doing it once at
-            # start keeps that cost off the put path (a host tier is reserved memory anyway).
-            flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if prefault else 0)
-            self._mmap = mmap.mmap(fd, self.capacity_bytes, flags=flags)
-        except BaseException:
-            os.unlink(self.segment_path)
-            raise
-        finally:
-            os.close(fd)
-        self._arena = np.frombuffer(self._mmap, dtype=np.uint8)  # [capacity] bytes
+        # Prefault by default: a host tier is reserved memory anyway (see shm_segment.Segment).
+        self._segment = Segment(self.capacity_bytes, shm_dir, name=segment_name, prefault=prefault)
+        self.segment_path = self._segment.path
+        self._arena = np.frombuffer(self._segment.mmap, dtype=np.uint8)  # [capacity] bytes
         self._index: dict[bytes, tuple[int, BlockMeta]] = {}
         self._reserved: dict[bytes, int] = {}
         self._lock = threading.Lock()
@@ -176,14 +159,7 @@ class HostTier(Tier):
         self._closed = True
         self._index.clear()
         self._arena = None
-        try:
-            self._mmap.close()
-        except BufferError:
-            pass  # a caller still holds a view; the mapping goes with the last reference
-        try:
-            os.unlink(self.segment_path)
-        except FileNotFoundError:
-            pass
+        self._segment.close()
 
     def _check_open(self) -> None:
         if self._closed:

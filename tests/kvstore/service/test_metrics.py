@@ -9,7 +9,6 @@ from fastapi.testclient import TestClient
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvstore.service.client import KVStoreClient
 from kvstore.service.http import create_http_app
 from kvstore.service.metrics import METRIC_NAMES, NamespaceLabels, ServiceMetrics
 from tests.conftest import payloads_for

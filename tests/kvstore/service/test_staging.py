@@ -122,7 +122,7 @@ def test_a_full_staging_area_refuses_with_the_limit_name_and_put_shm_falls_back(
 def test_take_verifies_a_private_copy_not_the_slot_a_client_can_still_write(staging, namespace, spec, chain):
     reservation = staging.reserve(namespace.id, tuple(chain[:1]), None, spec.block_bytes, spec.num_layers, 30)
     (payload,) = payloads_for(spec, chain[:1])
-    arena = np.frombuffer(staging._mmap, np.uint8)
+    arena = np.frombuffer(staging._segment.mmap, np.uint8)
     arena[reservation.offsets[0] : reservation.offsets[0] + spec.block_bytes] = payload
     _, (copy,) = staging.take(reservation.reservation_id, [layer_checksums(payload, spec.num_layers)])
     arena[reservation.offsets[0] : reservation.offsets[0] + spec.block_bytes] = 0  # the client writes on

@@ -1,0 +1,57 @@
+"""Segment files: owned while their process lives; a dead owner's file is swept, a live one's never."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+from kvstore.tiers import shm_segment
+from kvstore.tiers.shm_segment import Segment, remove_stale_segments
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def age(path: str, seconds: float) -> None:
+    past = time.time() - seconds
+    os.utime(path, (past, past))
+
+
+def test_a_sigkilled_owners_segment_is_removed_and_a_live_ones_is_kept(tmp_path):
+    owner = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, time
+        from kvstore.tiers.shm_segment import Segment
+        segment = Segment(1 << 16, {str(tmp_path)!r}, kind="staging")
+        print(segment.path, flush=True)
+        time.sleep(60)
+    """)], stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": REPO})
+    dead_path = owner.stdout.readline().strip()
+    live = Segment(1 << 16, str(tmp_path))
+    try:
+        age(dead_path, 120)
+        age(live.path, 120)
+        assert remove_stale_segments(str(tmp_path)) == [], "the owner is alive: its lock holds"
+        owner.send_signal(signal.SIGKILL)
+        owner.wait(10)
+        assert os.path.exists(dead_path), "SIGKILL left the file behind"
+        assert remove_stale_segments(str(tmp_path)) == [dead_path]
+        assert not os.path.exists(dead_path) and os.path.exists(live.path)
+    finally:
+        owner.kill() if owner.poll() is None else None
+        live.close()
+    assert not os.path.exists(live.path)
+
+
+def test_young_files_and_other_names_are_left_alone(tmp_path):
+    young = tmp_path / "kvstore-123-0123abcd"
+    young.write_bytes(b"x")  # no owner, but it may be between create and lock
+    other = tmp_path / "not-ours-123"
+    other.write_bytes(b"x")
+    age(str(other), 3600)
+    assert remove_stale_segments(str(tmp_path)) == []
+    age(str(young), shm_segment.STALE_AFTER_S + 1)
+    assert remove_stale_segments(str(tmp_path)) == [str(young)]
+    assert other.exists()
