@@ -7,6 +7,7 @@ store around its own in-flight copies. This module knows keys and clocks, nothin
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import time
 from collections import Counter
@@ -30,6 +31,7 @@ class LeaseTable:
         self._clock = clock
         self._pins: Counter[bytes] = Counter()
         self._leases: dict[int, Lease] = {}
+        self._deadlines: list[tuple[float, int]] = []  # min-heap of (expires_at, lease id), stale ones too
         self._ids = itertools.count(1)
         self.expired_total = 0
 
@@ -58,6 +60,10 @@ class LeaseTable:
             return None
         lease = Lease(next(self._ids), tuple(keys), self._clock() + ttl_s)
         self._leases[lease.id] = lease
+        heapq.heappush(self._deadlines, (lease.expires_at, lease.id))
+        if len(self._deadlines) > 2 * len(self._leases) + 1024:  # released leases leave stale items
+            self._deadlines = [(t, lid) for t, lid in self._deadlines if lid in self._leases]
+            heapq.heapify(self._deadlines)
         self.pin(lease.keys)
         return lease
 
@@ -70,13 +76,14 @@ class LeaseTable:
         return True
 
     def expire(self) -> int:
-        """Release every lease past its TTL; returns how many."""
+        """Release every lease past its TTL; returns how many. Cheap when none is due (a heap peek)."""
         now = self._clock()
-        expired = [lid for lid, lease in self._leases.items() if lease.expires_at <= now]
-        for lease_id in expired:
-            self.release(lease_id)
-        self.expired_total += len(expired)
-        return len(expired)
+        expired = 0
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, lease_id = heapq.heappop(self._deadlines)
+            expired += self.release(lease_id)  # False: released before its deadline
+        self.expired_total += expired
+        return expired
 
     def keys_of(self, lease_id: int) -> tuple[bytes, ...]:
         lease = self._leases.get(lease_id)

@@ -86,6 +86,7 @@ class PlacementMixin:
             return False
         if tier.can_fit(nbytes):
             return True
+        self._expire_leases()  # a lease past its TTL (its client died) must not keep pinning victims
         for helping_only in (True, False):
             victims = self._policies[t].victims(
                 lambda k: not self._leases.is_pinned(k) and k not in self._inflight
