@@ -61,7 +61,16 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     cfg = BenchConfig(blocks=args.blocks, repeats=args.repeats, lookup_tokens=args.lookup_tokens, directory=args.dir)
     log = (lambda s: None) if args.json else (lambda s: print(s, file=sys.stderr))
     result = run_bench(cfg, log)
-    print(json.dumps(result, indent=2) if args.json else format_table(result))
+    if args.sidecar:
+        from kvstore.sidecar_bench import format_sidecar, run_sidecar_bench
+
+        result["sidecar"] = run_sidecar_bench(min(args.blocks, 48), args.repeats, log=log)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(format_table(result))
+        if args.sidecar:
+            print(format_sidecar(result["sidecar"]))
     return 0
 
 
@@ -138,6 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=3, help="runs per figure; medians are reported (default 3)")
     bench.add_argument("--lookup-tokens", type=int, default=131072, help="prompt length for the lookup figure")
     bench.add_argument("--dir", help="directory on the file system to measure (default: the temp dir)")
+    bench.add_argument("--sidecar", action="store_true", help="also the sidecar's paths (shared memory, gRPC) "
+                       "against memcpy, loopback TCP and a real redis-server (needs redis-server and redis-py)")
     bench.set_defaults(func=_cmd_bench)
 
     check = sub.add_parser("fsck", help="verify a disk tier directory")

@@ -188,8 +188,11 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         started = time.perf_counter()
         reservation, payloads = await asyncio.to_thread(staging.take, request.reservation_id,
                                                         wire.commit_checksums(request))
-        return await self._put(reservation.ns_id, list(reservation.block_hashes), payloads, reservation.parent,
-                               started)
+        try:
+            return await self._put(reservation.ns_id, list(reservation.block_hashes), payloads, reservation.parent,
+                                   started)
+        finally:
+            staging.recycle(payloads)  # the store copied them
 
     async def _put(self, ns_id: bytes, hashes: list[bytes], payloads: list, parent: bytes | None,
                    started: float) -> pb.PutResponse:

@@ -117,7 +117,9 @@ def _map(path: str, writable: bool) -> tuple[mmap.mmap, np.ndarray] | None:
     except OSError:
         return None
     try:
-        mapping = mmap.mmap(fd, 0, prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
+        # a writable map is the staging segment (small): populate its page tables now, not per write
+        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if writable else 0)
+        mapping = mmap.mmap(fd, 0, flags=flags, prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
     except (OSError, ValueError):  # ValueError: an empty file
         return None
     finally:

@@ -57,10 +57,11 @@ class StagingArea:
                  page_bytes: int = 64 << 20):
         page_bytes = max(4096, min(page_bytes, capacity_bytes) // 4096 * 4096)
         self._slab = SlabAllocator(capacity_bytes, page_bytes)
-        self._segment = Segment(self._slab.capacity_bytes, shm_dir, kind="staging")
+        self._segment = Segment(self._slab.capacity_bytes, shm_dir, kind="staging", prefault=True)
         self.segment_path = self._segment.path
         self._arena = np.frombuffer(self._segment.mmap, np.uint8)  # [capacity] bytes
         self._reservations: dict[int, Reservation] = {}
+        self._spare: dict[int, list[np.ndarray]] = {}  # recycled private copies by size: no page faults
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._closed = False
@@ -111,11 +112,29 @@ class StagingArea:
             if reservation is None:
                 raise UnknownLease(f"reservation {reservation_id} is unknown or lapsed (reservations last "
                                    "their ttl_s); reserve again")
-            copies = [self._arena[o : o + reservation.block_bytes].copy() for o in reservation.offsets]
+            copies = [self._copy_out(o, reservation.block_bytes) for o in reservation.offsets]
             for offset in reservation.offsets:
                 self._slab.free(offset)
-        _verify(reservation, copies, checksums)
+        try:
+            _verify(reservation, copies, checksums)
+        except InvalidRequest:
+            self.recycle(copies)
+            raise
         return reservation, copies
+
+    def recycle(self, copies: list[np.ndarray]) -> None:
+        """Give back the copies ``take`` returned once they are no longer used (optional: a faster next take)."""
+        with self._lock:
+            for copy in copies:
+                spare = self._spare.setdefault(copy.nbytes, [])
+                if len(spare) < 64:
+                    spare.append(copy)
+
+    def _copy_out(self, offset: int, nbytes: int) -> np.ndarray:
+        spare = self._spare.get(nbytes)
+        copy = spare.pop() if spare else np.empty(nbytes, np.uint8)  # [nbytes] uint8
+        np.copyto(copy, self._arena[offset : offset + nbytes])
+        return copy
 
     def active(self) -> int:
         with self._lock:
