@@ -1,6 +1,7 @@
 """The ``kvstore`` command. Each subcommand parses flags and calls one function; no logic here.
 
-    kvstore run     the main job with embedded defaults (the engine demo over the store)
+    kvstore run     the main job with embedded defaults: a sidecar with its dashboard, and the
+                    engine demo running against it
     kvstore demo    the same, with --quick, --json and sizes
     kvstore bench   bandwidths and lookup time next to their ceilings (--json for one object)
     kvstore fsck    verify a disk tier directory (--repair to drop bad blocks)
@@ -51,6 +52,30 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, indent=2, default=str))
     return 0 if result["outputs_identical"] else 1
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    """The demo against a sidecar this command starts (unless --sidecar names one or --in-process)."""
+    if args.sidecar or args.in_process:
+        return _cmd_demo(args)
+    import tempfile
+
+    from kvstore.service.local import LocalSidecar
+
+    say = (lambda s: print(s, file=sys.stderr)) if args.json else print
+    data_dir = args.data_dir or tempfile.mkdtemp(prefix="kvstore-run-")
+    with LocalSidecar(data_dir, args.host_capacity, args.disk_capacity, http_address=args.http_address) as sidecar:
+        say(f"sidecar: gRPC on {sidecar.address}, disk tier in {data_dir}")
+        say(f"dashboard: {sidecar.url}  (live while the demo runs; metrics at {sidecar.url}metrics)")
+        args.sidecar = sidecar.address
+        code = _cmd_demo(args)
+        if sys.stdin.isatty() and not args.json:
+            say(f"the sidecar keeps serving the dashboard at {sidecar.url}; press Ctrl-C to stop it")
+            try:
+                sidecar.process.wait()
+            except KeyboardInterrupt:
+                pass
+    return code
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -139,7 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
         demo.add_argument("--sidecar", default=os.environ.get("KVSTORE_SIDECAR"),
                           help="use a running `kvstore serve` (HOST:PORT or unix:PATH; env KVSTORE_SIDECAR) "
                                "instead of an in-process store; the data-dir and capacity flags then do nothing")
-        demo.set_defaults(func=_cmd_demo)
+        if name == "run":
+            demo.add_argument("--http-address", default="127.0.0.1:50552",
+                              help="where the started sidecar serves its dashboard (default 127.0.0.1:50552)")
+            demo.add_argument("--in-process", action="store_true",
+                              help="an in-process store instead of a sidecar (adds the disk-tier TTFT case)")
+        demo.set_defaults(func=_cmd_run if name == "run" else _cmd_demo)
 
     bench = sub.add_parser("bench", help="bandwidth and lookup benchmark with ceilings from the same run")
     bench.add_argument("--json", action="store_true", help="print one JSON object")

@@ -21,7 +21,7 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
+import tempfile
 import threading
 import time
 from typing import Callable
@@ -32,6 +32,7 @@ from kvstore.errors import InvalidRequest
 from kvstore.keys import Namespace
 from kvstore.layout import BlockSpec
 from kvstore.service.client import KVStoreClient
+from kvstore.service.local import LocalSidecar
 
 SEED = 0
 SEND_BYTES = 4 << 20
@@ -58,22 +59,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Sidecar:
-    """``python -m kvstore.service`` on a free loopback port, host tier only."""
-
-    def __init__(self, host_capacity: str):
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvstore.service", "--address", "127.0.0.1:0", "--http-address", "off",
-             "--host-capacity", host_capacity, "--disk-capacity", "0"], stdout=subprocess.PIPE, text=True)
-        line = self.proc.stdout.readline()
-        if "listening on" not in line:
-            self.stop()
-            raise RuntimeError(f"the sidecar did not start: {line!r}")
-        self.target = line.rsplit(" ", 1)[1].strip()
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(30)
+def Sidecar(host_capacity: str) -> LocalSidecar:
+    """A sidecar subprocess on a free loopback port, host tier only, no HTTP."""
+    return LocalSidecar(tempfile.gettempdir(), host_capacity, "0", http_address="off")  # no disk tier: no files
 
 
 class Redis:
@@ -175,7 +163,7 @@ def run_sidecar_bench(blocks: int = 48, repeats: int = 3, lookup_calls: int = 50
 
     sidecar = Sidecar(host_capacity)
     try:
-        with KVStoreClient(sidecar.target, timeout_s=120) as client:
+        with KVStoreClient(sidecar.address, timeout_s=120) as client:
             client.wait_ready()
             ns_id = client.register_namespace(V32)
             _put_all(client.put_shm, ns_id, hashes, payloads)
@@ -245,7 +233,7 @@ def _put_gbps(method: str, payloads, blocks_capacity: int, repeats: int, rng) ->
     times = []
     sidecar = Sidecar(f"{(blocks_capacity * 4 // 64 + 2) * 64}MiB")
     try:
-        with KVStoreClient(sidecar.target, timeout_s=120) as client:
+        with KVStoreClient(sidecar.address, timeout_s=120) as client:
             client.wait_ready()
             ns_id = client.register_namespace(V32)
             for _ in range(repeats + 1):

@@ -1,0 +1,55 @@
+"""The dashboard of a real ``kvstore serve`` process, in headless Chromium, while the bundled
+engine's demo traffic flows through it: the page shows what the JSON API and /metrics report."""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+
+import httpx
+import pytest
+
+from engine_adapter.demo import DemoConfig, run_demo
+from kvstore.service.local import LocalSidecar
+
+CHROMIUM = "/usr/bin/chromium"
+sync_api = pytest.importorskip("playwright.sync_api", reason="the browser test needs the playwright package")
+pytestmark = pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"the browser test needs Chromium at {CHROMIUM}")
+
+
+def test_the_sidecar_dashboard_shows_the_demo_traffic_live(tmp_path):
+    with LocalSidecar(str(tmp_path), "64MiB", "256MiB", env={"KVSTORE_SHM_DIR": str(tmp_path)}) as sidecar, \
+            sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1440, "height": 1000})
+        page.goto(sidecar.url)
+        page.wait_for_function("Number(document.body.dataset.updates) >= 1", timeout=15_000)
+        page.evaluate("window.notReloaded = true")
+
+        demo = threading.Thread(target=run_demo, args=(DemoConfig.quick(sidecar=sidecar.address, conversations=2,
+                                                                        turns=2, long_prompt_tokens=512),
+                                                       lambda line: None))
+        demo.start()
+        demo.join(240)
+        assert not demo.is_alive()
+
+        page.wait_for_function("Number(document.querySelector('[data-metric=prefill_saved]').dataset.value) > 0",
+                               timeout=15_000)
+        summary = httpx.get(sidecar.url + "api/summary", timeout=10).json()
+        page.wait_for_function(f"document.querySelector('[data-metric=hit_rate]').dataset.value == "
+                               f"'{summary['hit_rate']}'", timeout=15_000)
+        assert 0 < summary["hit_rate"] < 1 and summary["prefill_tokens_saved"] > 0
+        assert page.locator('[data-metric="prefill_saved"]').get_attribute("data-value") == \
+            str(summary["prefill_tokens_saved"])
+        rows = page.locator("#namespaces tbody tr").evaluate_all("rows => rows.map(r => r.dataset.namespace)")
+        assert len(rows) == 1 and rows[0].startswith("demo")
+        assert page.evaluate("window.notReloaded") is True, "the numbers arrived without a reload"
+        page.screenshot(path=str(tmp_path / "sidecar-dashboard.png"), full_page=True)
+        browser.close()
+
+        exposition = httpx.get(sidecar.url + "metrics", timeout=10).text
+        saved = float(re.search(r'^kvstore_prefill_tokens_saved_total\{namespace="demo[^"]*"\} (\S+)$',
+                                exposition, re.M).group(1))
+        assert saved == summary["prefill_tokens_saved"]
+    assert (tmp_path / "sidecar-dashboard.png").stat().st_size > 30_000
