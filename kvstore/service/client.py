@@ -17,8 +17,8 @@ into the mapped staging segment and commits them with their checksums (CommitSlo
 back to ``put`` where the segment cannot be mapped or the sidecar has no staging area.
 
 Auth: ``token`` (default: ``KVSTORE_TOKEN``, or the first line of ``KVSTORE_TOKEN_FILE``) goes
-as ``authorization: Bearer TOKEN`` on every call; ``root_certificates`` (PEM) makes the channel
-TLS. Every call also names the client (``kvstore-client`` metadata, random per instance), which
+as ``authorization: Bearer TOKEN`` on every call; ``root_certificates`` (PEM; default: the file
+``KVSTORE_TLS_CA`` names) makes the channel TLS. Every call also names the client (``kvstore-client`` metadata, random per instance), which
 the server's per-client limits count by.
 
 Same host, gets: ``load_shm`` takes the fast path (``kvstore.service.shm``): one GetSlots call leases
@@ -33,6 +33,7 @@ serve many threads.
 
 from __future__ import annotations
 
+import os
 import uuid
 from typing import Iterator, Sequence
 
@@ -62,6 +63,7 @@ class KVStoreClient:
         ``limits`` must match the server's (chunk and message sizes). ``token``: the sidecar's bearer
         token (None: from the environment, if set there); ``root_certificates``: PEM roots for TLS."""
         options = limits.channel_options()
+        root_certificates = root_certificates if root_certificates is not None else _ca_from_env()
         if root_certificates is not None:
             channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates), options=options)
         else:
@@ -264,6 +266,18 @@ class KVStoreClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _ca_from_env() -> bytes | None:
+    """PEM roots from ``KVSTORE_TLS_CA`` (a file): a sidecar serving TLS beyond loopback."""
+    path = os.environ.get("KVSTORE_TLS_CA")
+    if not path:
+        return None
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise InvalidRequest(f"cannot read KVSTORE_TLS_CA={path!r}: {exc.strerror}") from None
 
 
 def _one_size(views, what: str) -> int:

@@ -64,12 +64,16 @@ def tls_files(tmp_path_factory):
 
 
 def test_tls_server_serves_a_client_that_trusts_its_certificate_and_refuses_plaintext(store, start_server, tls_files,
-                                                                                     namespace):
+                                                                                     namespace, monkeypatch):
     tls = security.read_tls(*tls_files)
     server = start_server(store, tls=tls, token=TOKEN)
     roots = open(tls_files[0], "rb").read()
     with KVStoreClient(server.target, timeout_s=10, token=TOKEN, root_certificates=roots) as secure:
         assert secure.register_namespace(namespace) == namespace.id
+    monkeypatch.setenv("KVSTORE_TLS_CA", tls_files[0])  # how an engine's connector finds the roots
+    with KVStoreClient(server.target, timeout_s=10, token=TOKEN) as from_env:
+        assert from_env.stats().namespaces == 1
+    monkeypatch.delenv("KVSTORE_TLS_CA")
     with KVStoreClient(server.target, timeout_s=3, token=TOKEN) as plaintext:
         with pytest.raises(grpc.RpcError) as info:
             plaintext.register_namespace(namespace)
