@@ -1,12 +1,12 @@
 """The ``kvstore serve`` flags and their handler (also runnable as ``python -m kvstore.service``).
 
-    kvstore serve [--address HOST:PORT|unix:PATH] [--http-address HOST:PORT|off] [--data-dir DIR]
+    kvstore serve [--config FILE] [--address HOST:PORT|unix:PATH] [--http-address HOST:PORT|off] [--data-dir DIR]
                   [--host-capacity SIZE] [--disk-capacity SIZE] [--staging-capacity SIZE]
                   [--token-file FILE] [--tls-cert PEM --tls-key PEM] [--allow-plaintext]
                   [--protect-metrics] [--durable-puts] [--shutdown-grace-s S]
 
 Flags override ``KVSTORE_*`` variables (kvstore.config, kvstore.service.config), which override
-the embedded defaults: gRPC on 127.0.0.1:50551, HTTP (metrics, dashboard) on 127.0.0.1:50552, the
+a ``--config`` TOML file (kvstore.service.config_file), which overrides the embedded defaults: gRPC on 127.0.0.1:50551, HTTP (metrics, dashboard) on 127.0.0.1:50552, the
 disk tier under ~/.local/share/kvstore/disk, auto sizes (a quarter of available memory for the
 host tier, half the free disk for the disk tier). Prints ``kvstore serve: listening on ADDRESS``
 once it accepts calls, then ``kvstore serve: dashboard on URL`` (unless HTTP is off).
@@ -24,9 +24,13 @@ from dataclasses import replace
 from kvstore.config import DiskConfig, HostConfig, StoreConfig, default_data_dir, parse_size
 from kvstore.errors import KVStoreError
 from kvstore.service.config import DEFAULT_ADDRESS, ServeConfig
+from kvstore.service.config_file import layered_environment
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default=os.environ.get("KVSTORE_CONFIG"),
+                        help="TOML file of settings (keys: the KVSTORE_* names in lower case, plus data_dir); "
+                             "variables and flags override it (env KVSTORE_CONFIG)")
     parser.add_argument("--address", help=f"HOST:PORT (port 0: any free one) or unix:PATH (default {DEFAULT_ADDRESS})")
     parser.add_argument("--data-dir", help=f"the disk tier lives in DIR/disk (default {default_data_dir()})")
     parser.add_argument("--host-capacity", help="host tier size, e.g. 8GiB; 0 disables it (default: auto)")
@@ -56,9 +60,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
-def store_config(args: argparse.Namespace) -> StoreConfig:
+def store_config(args: argparse.Namespace, environ=None) -> StoreConfig:
     """``StoreConfig.from_env`` with the tier flags applied on top (a size of 0 disables a tier)."""
-    config = StoreConfig.from_env()
+    config = StoreConfig.from_env(environ)
     host, disk = config.host or HostConfig(), config.disk or DiskConfig()
     if args.data_dir:
         disk.path = os.path.join(args.data_dir, "disk")
@@ -73,12 +77,13 @@ def store_config(args: argparse.Namespace) -> StoreConfig:
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvstore.service.server import serve  # grpc loads only for this command
 
+    environ = layered_environment(args.config)
     staging = parse_size(args.staging_capacity) if args.staging_capacity is not None else None
-    config = ServeConfig.from_env(address=args.address, http_address=args.http_address, token_file=args.token_file,
+    config = ServeConfig.from_env(environ, address=args.address, http_address=args.http_address, token_file=args.token_file,
                                   tls_cert=args.tls_cert, tls_key=args.tls_key, allow_plaintext=args.allow_plaintext,
                                   protect_metrics=args.protect_metrics, durable_puts=args.durable_puts,
                                   staging_bytes=staging, shutdown_grace_s=args.shutdown_grace_s)
-    asyncio.run(serve(config, store_config(args), _announce, _announce_http))
+    asyncio.run(serve(config, store_config(args, environ), _announce, _announce_http))
     return 0
 
 

@@ -1,0 +1,73 @@
+"""``kvstore serve --config FILE``: the sidecar's settings in a TOML file.
+
+Keys are the ``KVSTORE_*`` variable names without the prefix, in lower case, plus ``data_dir``::
+
+    address = "unix:/run/kvstore/kvstore.sock"
+    http_address = "127.0.0.1:50552"
+    data_dir = "/var/lib/kvstore"          # the disk tier lives in DATA_DIR/disk
+    host_capacity = "8GiB"
+    disk_capacity = "200GiB"
+    durable_puts = true
+    max_leases_per_client = 2048
+
+Precedence: embedded defaults < the file < ``KVSTORE_*`` variables < flags. The file is turned
+into the variables it stands for, so every setting is parsed and checked in one place
+(``ServeConfig.from_env``, ``StoreConfig.from_env``). An unknown key is an error that lists the
+known ones.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import fields
+from typing import Mapping
+
+from kvstore.config import ENV_PREFIX
+from kvstore.errors import InvalidRequest
+from kvstore.service.limits import ServiceLimits
+
+STORE_KEYS = ("host_capacity", "shm_dir", "disk_path", "disk_capacity", "durable", "direct_reads", "policy",
+              "write_policy", "promote_on_hit", "lease_ttl_s")
+SERVE_KEYS = ("address", "http_address", "token", "token_file", "tls_cert", "tls_key", "allow_plaintext",
+              "protect_metrics", "staging_bytes", "durable_puts", "shutdown_grace_s",
+              *(f.name for f in fields(ServiceLimits)))
+KNOWN_KEYS = frozenset(STORE_KEYS + SERVE_KEYS + ("data_dir",))
+
+
+def read_config_file(path: str) -> dict[str, str]:
+    """The ``KVSTORE_*`` variables ``path`` stands for (``data_dir`` becomes ``KVSTORE_DISK_PATH``)."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover  (Python 3.10)
+        import tomli as tomllib
+    try:
+        with open(path, "rb") as f:
+            table = tomllib.load(f)
+    except OSError as exc:
+        raise InvalidRequest(f"cannot read the config file {path!r}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise InvalidRequest(f"the config file {path!r} is not valid TOML: {exc}") from None
+    return as_environment(table, path)
+
+
+def as_environment(table: Mapping[str, object], source: str = "the config file") -> dict[str, str]:
+    unknown = sorted(set(table) - KNOWN_KEYS)
+    if unknown:
+        raise InvalidRequest(f"{source}: unknown keys {unknown}; known keys: {sorted(KNOWN_KEYS)}")
+    env = {}
+    for key, value in table.items():
+        if isinstance(value, (dict, list)):
+            raise InvalidRequest(f"{source}: {key} must be a string, number or boolean, got {type(value).__name__}")
+        text = ("1" if value else "0") if isinstance(value, bool) else str(value)
+        if key == "data_dir":
+            env[ENV_PREFIX + "DISK_PATH"] = os.path.join(text, "disk")
+        else:
+            env[ENV_PREFIX + key.upper()] = text
+    return env
+
+
+def layered_environment(config_file: str | None, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The file's variables overlaid by the real environment (which wins)."""
+    env = dict(os.environ if environ is None else environ)
+    return {**read_config_file(config_file), **env} if config_file else env

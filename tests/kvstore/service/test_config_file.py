@@ -1,0 +1,61 @@
+"""``kvstore serve --config FILE``: a TOML file under the environment and the flags."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvstore.config import StoreConfig
+from kvstore.errors import InvalidRequest
+from kvstore.service.client import KVStoreClient
+from kvstore.service.config import ServeConfig
+from kvstore.service.config_file import as_environment, layered_environment
+from tests.kvstore.service.test_serve_process import REPO, start_serving
+
+
+def test_file_settings_become_the_variables_they_stand_for_and_the_environment_wins(tmp_path):
+    config = tmp_path / "kvstore.toml"
+    config.write_text('address = "unix:/tmp/k.sock"\ndata_dir = "/srv/kv"\nhost_capacity = "8GiB"\n'
+                      'durable_puts = true\nmax_leases_per_client = 7\n')
+    environ = layered_environment(str(config), {"KVSTORE_HOST_CAPACITY": "1GiB"})
+    serve = ServeConfig.from_env(environ)
+    store = StoreConfig.from_env(environ)
+    assert (serve.address, serve.durable_puts, serve.limits.max_leases_per_client) == ("unix:/tmp/k.sock", True, 7)
+    assert store.disk.path == "/srv/kv/disk" and store.host.capacity_bytes == 1 << 30, "the environment wins"
+
+
+def test_unknown_keys_and_bad_values_are_clear_errors(tmp_path):
+    with pytest.raises(InvalidRequest, match=r"unknown keys \['host_capacty'\]; known keys: .*'host_capacity'"):
+        as_environment({"host_capacty": "1GiB"})
+    with pytest.raises(InvalidRequest, match="must be a string, number or boolean"):
+        as_environment({"address": ["a", "b"]})
+    broken = tmp_path / "broken.toml"
+    broken.write_text("address = \n")
+    with pytest.raises(InvalidRequest, match="is not valid TOML"):
+        layered_environment(str(broken), {})
+
+
+def test_serve_reads_its_config_file_and_flags_override_it(tmp_path):
+    config = tmp_path / "kvstore.toml"
+    config.write_text(f'address = "unix:{tmp_path}/from-file.sock"\ndata_dir = "{tmp_path}"\n'
+                      'host_capacity = "4MiB"\ndisk_capacity = "64MiB"\nhttp_address = "off"\n')
+    process, address, _ = start_serving("--config", str(config), "--address", "127.0.0.1:0",
+                                        env={"KVSTORE_SHM_DIR": str(tmp_path)})
+    try:
+        assert address.startswith("127.0.0.1:"), "the flag overrides the file"
+        with KVStoreClient(address, timeout_s=10) as client:
+            host = client.stats().tier("host")
+            assert host.capacity_bytes == 4 << 20, "the file set the host tier"
+        assert (tmp_path / "disk").is_dir()
+    finally:
+        process.terminate()
+        process.wait(30)
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text('adress = "x"\n')
+    done = subprocess.run([sys.executable, "-m", "kvstore.service", "--config", str(bad)], capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "PYTHONPATH": REPO})
+    assert done.returncode == 2 and "unknown keys ['adress']" in done.stderr
