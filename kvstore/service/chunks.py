@@ -21,11 +21,12 @@ from kvstore.errors import InvalidRequest
 from kvstore.service.limits import LimitExceeded
 
 
-def iter_chunks(payloads: Sequence[np.ndarray], chunk_bytes: int) -> Iterator[tuple[int, int, bytes]]:
-    """``(block_index, offset, data)`` for every chunk of ``payloads`` (flat uint8 views), in order."""
+def iter_chunks(payloads: Sequence[np.ndarray], chunk_bytes: int) -> Iterator[tuple[int, int, np.ndarray]]:
+    """``(block_index, offset, data)`` for every chunk of ``payloads`` (flat uint8 views), in order;
+    ``data`` is a view into the payload (no copy)."""
     for index, payload in enumerate(payloads):
         for offset in range(0, payload.nbytes, chunk_bytes):
-            yield index, offset, payload[offset : offset + chunk_bytes].tobytes()
+            yield index, offset, payload[offset : offset + chunk_bytes]
 
 
 def check_block_bytes(declared: int, expected: int, what: str, num_blocks: int) -> None:

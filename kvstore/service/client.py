@@ -46,6 +46,7 @@ from kvstore.keys import Namespace
 from kvstore.checksum import layer_checksums, layers_match
 from kvstore.results import LoadResult, LookupResult, PutResult, StoreStats
 from kvstore.service import wire
+from kvstore.service.chunk_codec import decode_chunk
 from kvstore.service.chunks import BlockAssembler, check_block_bytes, iter_chunks
 from kvstore.service import security
 from kvstore.service.limits import ServiceLimits
@@ -72,7 +73,11 @@ class KVStoreClient:
         self.client_id = uuid.uuid4().hex
         metadata = [("kvstore-client", self.client_id)] + ([("authorization", f"Bearer {token}")] if token else [])
         self._channel = channel
-        self._stub = KVStoreStub(grpc.intercept_channel(channel, MetadataInterceptor(metadata)))
+        intercepted = grpc.intercept_channel(channel, MetadataInterceptor(metadata))
+        self._stub = KVStoreStub(intercepted)
+        # Get's messages are parsed by hand (kvstore.service.chunk_codec): the raw bytes come through
+        self._get_raw = intercepted.unary_stream("/kvstore.v1.KVStore/Get",
+                                                 request_serializer=pb.GetRequest.SerializeToString)
         self._timeout = timeout_s
         self._limits = limits
         self._segments = SegmentMaps()
@@ -105,12 +110,15 @@ class KVStoreClient:
         views = [byte_view(d, writable=True) for d in dsts]
         request = pb.GetRequest(namespace_id=ns_id, block_hashes=block_hashes, lease_id=lease_id,
                                 block_bytes=_one_size(views, "destination buffers"))
-        stream = self._stub.Get(request, timeout=self._timeout)
-        header = next(stream).header
+        stream = self._get_raw(request, timeout=self._timeout)
+        header = pb.GetResponse.FromString(next(stream)).header
         assembler = BlockAssembler(len(header.tiers), header.block_bytes, self._limits.max_chunk_bytes,
                                    buffers=views, what="Get stream")
         for message in stream:
-            assembler.add(message.chunk.block_index, message.chunk.offset, message.chunk.data)
+            chunk = decode_chunk(message)
+            if chunk is None:
+                raise InvalidRequest("Get stream: a second header where a chunk belongs")
+            assembler.add(*chunk)
         assembler.finish()
         return LoadResult(header.requested_blocks, tuple(header.tiers), len(header.tiers) * header.block_bytes)
 
@@ -205,7 +213,7 @@ class KVStoreClient:
     def _put_requests(self, header: pb.PutHeader, views) -> Iterator[pb.PutRequest]:
         yield pb.PutRequest(header=header)
         for index, offset, data in iter_chunks(views, self._limits.max_chunk_bytes):
-            yield pb.PutRequest(chunk=pb.Chunk(block_index=index, offset=offset, data=data))
+            yield pb.PutRequest(chunk=pb.Chunk(block_index=index, offset=offset, data=data.tobytes()))
 
     def put_shm(self, ns_id: bytes, block_hashes: Sequence[bytes], payloads: Sequence,
                 parent: bytes | None = None, ttl_s: float = 30.0) -> PutResult:

@@ -33,9 +33,8 @@ from kvstore.service import security
 from kvstore.service.config import HTTP_OFF, ServeConfig
 from kvstore.service.limits import ServiceLimits
 from kvstore.service.metrics import ServiceMetrics
-from kvstore.service.servicer import SERVICE_NAME, KVStoreServicer
+from kvstore.service.servicer import SERVICE_NAME, KVStoreServicer, add_to_server
 from kvstore.service.staging import StagingArea
-from kvstore.service.v1 import kvstore_pb2_grpc
 from kvstore.store import TieredStore
 from kvstore.tiers.shm_segment import remove_stale_segments
 
@@ -55,7 +54,7 @@ async def create_server(address: str, store: TieredStore, limits: ServiceLimits 
     interceptors = [security.BearerAuthInterceptor(token)] if token else []
     server = grpc.aio.server(options=limits.channel_options(), interceptors=interceptors)
     servicer = KVStoreServicer(store, limits, metrics, staging, durable_puts)
-    kvstore_pb2_grpc.add_KVStoreServicer_to_server(servicer, server)
+    add_to_server(servicer, server)
     health = health or health_aio.HealthServicer()
     await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

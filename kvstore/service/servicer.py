@@ -21,6 +21,7 @@ import numpy as np
 
 from kvstore.errors import InvalidRequest, KVStoreError, StoreClosed, UnknownLease, UnknownNamespace
 from kvstore.service import shm, wire
+from kvstore.service.chunk_codec import encode_chunk
 from kvstore.service.chunks import BlockAssembler, check_block_bytes, iter_chunks
 from kvstore.service.limits import ClientLeases, LimitExceeded, ServiceLimits, TransferSlots
 from kvstore.service.metrics import ServiceMetrics
@@ -75,6 +76,35 @@ def client_of(context) -> str:
         if key == CLIENT_METADATA:
             return value
     return context.peer() or ""
+
+
+def add_to_server(servicer: "KVStoreServicer", server) -> None:
+    """Register the service like the generated ``add_KVStoreServicer_to_server``, except that Get's
+    responses pass through when already serialized (its chunks are encoded by hand:
+    kvstore.service.chunk_codec); the bytes on the wire are the same."""
+    capture = _CapturedHandlers()
+    kvstore_pb2_grpc.add_KVStoreServicer_to_server(servicer, capture)
+    handlers = dict(capture.handlers)
+    handlers["Get"] = grpc.unary_stream_rpc_method_handler(
+        servicer.Get, request_deserializer=pb.GetRequest.FromString, response_serializer=_serialized)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
+def _serialized(message) -> bytes:
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
+class _CapturedHandlers:
+    """Stands in for a server to read the handlers the generated code would register."""
+
+    handlers: dict = {}
+
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        pass
+
+    def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
+        self.handlers = handlers
 
 
 class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
@@ -138,7 +168,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
                                                      block_bytes=spec.block_bytes))
             chunk_bytes = self._limits.chunk_bytes(request.chunk_bytes)
             for index, offset, data in iter_chunks(dsts[: result.loaded_blocks], chunk_bytes):
-                yield pb.GetResponse(chunk=pb.Chunk(block_index=index, offset=offset, data=data))
+                yield encode_chunk(index, offset, data)  # a serialized GetResponse (see add_to_server)
 
     @translate_errors
     async def GetSlots(self, request, context):
