@@ -10,9 +10,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore.errors import InvalidRequest
+from kvstore.keys import namespace_hashes
+from kvstore.layout import BlockSpec
 from kvstore.service import security
 from kvstore.service.client import KVStoreClient
-from tests.conftest import payloads_for
+from tests.conftest import payloads_for, tiny_namespace
 
 TOKEN = "s3cret-token"
 
@@ -111,3 +113,18 @@ def test_token_comes_from_a_file_and_an_empty_one_is_an_error(tmp_path):
     with pytest.raises(InvalidRequest, match="TLS needs both"):
         security.read_tls(str(token_file), None)
     assert security.load_token(None, None) is None
+
+
+def test_a_tenant_without_the_cache_salt_cannot_look_up_or_read_anothers_blocks(client):
+    alice, mallory = tiny_namespace(cache_salt="alice-secret"), tiny_namespace(cache_salt="guess")
+    spec = BlockSpec.of(alice)
+    tokens = np.arange(40)  # the same prompt
+    alice_id, alice_hashes = client.register_namespace(alice), namespace_hashes(alice, tokens)
+    client.put(alice_id, alice_hashes, payloads_for(spec, alice_hashes))
+    mallory_id, mallory_hashes = client.register_namespace(mallory), namespace_hashes(mallory, tokens)
+    assert mallory_id != alice_id and set(mallory_hashes).isdisjoint(alice_hashes)
+    assert client.lookup(mallory_id, mallory_hashes).hit_blocks == 0
+    assert client.lookup(mallory_id, alice_hashes).hit_blocks == 0, "another namespace's hashes do not cross over"
+    dsts = [np.zeros(spec.block_bytes, np.uint8) for _ in alice_hashes]
+    assert client.load(mallory_id, alice_hashes, dsts).loaded_blocks == 0 and not any(d.any() for d in dsts)
+    assert client.lookup(alice_id, alice_hashes).hit_blocks == len(alice_hashes)
