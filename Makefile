@@ -14,6 +14,9 @@ SYSTEM_TOOLS    := /usr/bin/chromium /usr/bin/redis-server /usr/bin/promtool /us
 
 .PHONY: run test bench venv clean system-packages
 
+# LMCache's own environment (.venv-lmcache) for the plugin's tests and benchmark
+include mk/lmcache.mk
+
 venv: $(STAMP)
 
 # apt-get runs only when a tool is missing; without root (and no sudo) it says what to install.
@@ -22,7 +25,7 @@ system-packages:
 	if [ $$missing = 1 ]; then \
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; elif command -v sudo >/dev/null; then SUDO=sudo; else \
 	    echo "warning: install these Debian packages as root: $(SYSTEM_PACKAGES) (tests needing them skip)"; exit 0; fi; \
-	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends $(SYSTEM_PACKAGES) >/dev/null; \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $(SYSTEM_PACKAGES) >/dev/null; \
 	fi
 
 $(STAMP): pyproject.toml Makefile
@@ -36,11 +39,11 @@ $(STAMP): pyproject.toml Makefile
 run: $(STAMP)
 	$(VENV)/bin/kvstore run
 
-test: $(STAMP)
+test: $(STAMP) $(LMCACHE_STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider
 
 bench: $(STAMP)
 	$(VENV)/bin/kvstore bench
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(LMCACHE_VENV) .pytest_cache .hypothesis

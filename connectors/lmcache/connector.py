@@ -1,0 +1,367 @@
+"""LMCache's remote connector over the kvstore sidecar.
+
+Each LMCache object is one block of the namespace of its LMCache configuration (``namespace.py``),
+framed with its metadata and checksum (``framing.py``), under the block hash
+``xxh3_128(CacheEngineKey.to_string())``; every block is its own chain head (no parent). How each
+LMCache call maps onto the sidecar (``KVStoreClient``):
+
+    exists, exists_sync,          one Lookup of the keys' hashes; its contiguous hit is the count
+    batched_contains,             of leading keys present, which is LMCache's prefix semantics
+    batched_async_contains        (``pin`` is not needed: a get leases what it copies)
+    get, batched_get,             GetSlots leases the leading present blocks and locates those in
+    batched_get_non_blocking      the host tier's shared memory: each is copied from the mapping
+                                  straight into a MemoryObj that LMCache allocates (one copy); the
+                                  rest (disk, another host) come through Get into a scratch block
+    put, batched_put              each object framed into a scratch block, then put_shm (staging
+                                  slots in shared memory, verified by the sidecar; Put where that
+                                  cannot be used)
+    ping                          RegisterNamespace (idempotent; re-registers after a restart)
+    list                          the keys this connector stored or served that the sidecar still
+                                  holds (it indexes hashes, so it cannot name other processes' keys)
+
+Every object is verified after it is copied into LMCache's memory (its key digest, size and
+checksum), so a stale shared-memory slot, a short read or a wrong block is a miss. Nothing raises
+into LMCache: a sidecar that is down, a corrupt object, no free memory are all misses (gets,
+lookups) or dropped stores (puts), logged and counted in ``counts()``.
+
+Ownership: a returned MemoryObj holds one reference, LMCache's. ``put`` never changes the object's
+reference count (LMCache's wrapper drops its reference once ``put`` returns). Threads: LMCache runs
+the async methods on its event loop; the blocking sidecar calls run on ``workers`` threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from typing import List
+
+import numpy as np
+import torch
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.memory_management import MemoryFormat, MemoryObj
+from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
+
+from connectors.lmcache import framing
+from connectors.lmcache.config import PluginConfig
+from connectors.lmcache.framing import CorruptObject, ObjectMeta, key_digest
+from connectors.lmcache.namespace import lmcache_namespace
+from connectors.lmcache.session import SidecarSession
+from kvstore.buffers import byte_view
+from kvstore.layout import BlockSpec
+from kvstore.service.client import KVStoreClient
+from kvstore.service.limits import ServiceLimits
+
+log = logging.getLogger(__name__)
+KNOWN_KEYS = 65536  # key strings remembered for list(): about 10 MB
+
+
+class KVStoreConnector(RemoteConnector):
+    def __init__(self, config, metadata, loop: asyncio.AbstractEventLoop, local_cpu_backend,
+                 settings: PluginConfig, limits: ServiceLimits = ServiceLimits()):
+        """Connects lazily: a sidecar that is down now only makes every call a miss until it answers."""
+        super().__init__(config, metadata)  # meta_shapes, meta_dtypes, meta_fmt, full_chunk_size_bytes
+        self.loop = loop
+        self.local_cpu_backend = local_cpu_backend
+        self.settings = settings
+        self.namespace = lmcache_namespace(metadata.model_name, metadata.chunk_size, self.full_chunk_size_bytes,
+                                           self._identity(metadata), settings.cache_salt, settings.weights_hash)
+        self.spec = BlockSpec.of(self.namespace)
+        self.client = KVStoreClient(settings.address, timeout_s=settings.timeout_s, limits=limits,
+                                    token=settings.bearer_token(), root_certificates=settings.root_certificates())
+        self.session = SidecarSession(self.client, self.namespace, settings.address)
+        self._batch = limits.max_transfer_blocks
+        self._lookup_batch = limits.max_lookup_blocks
+        self._pool = ThreadPoolExecutor(settings.workers, thread_name_prefix="kvstore-lmcache")
+        self._scratch = threading.local()  # one [block_bytes] uint8 buffer per worker thread
+        self._known: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._counts: collections.Counter[str] = collections.Counter()
+        self._lock = threading.Lock()
+
+    def _identity(self, metadata) -> dict[str, str]:
+        """Everything besides model and chunk size that decides an object's bytes."""
+        return {"kv_shape": "x".join(map(str, metadata.kv_shape)), "use_mla": str(bool(metadata.use_mla)).lower(),
+                "shapes": ";".join("x".join(map(str, s)) for s in self.meta_shapes),
+                "dtypes": ",".join(_dtype_name(d) for d in self.meta_dtypes), "fmt": self.meta_fmt.name}
+
+    # ---- lookups -----------------------------------------------------------------------
+
+    async def exists(self, key: CacheEngineKey) -> bool:
+        return await self._run(self.exists_sync, key)
+
+    def exists_sync(self, key: CacheEngineKey) -> bool:
+        return self.batched_contains([key]) == 1
+
+    def support_batched_contains(self) -> bool:
+        return True
+
+    def batched_contains(self, keys: List[CacheEngineKey]) -> int:
+        """How many leading ``keys`` the sidecar holds (0 when it cannot be reached)."""
+        digests = [key_digest(k.to_string()) for k in keys]
+        found = 0
+        try:
+            for start in range(0, len(digests), self._lookup_batch):
+                batch = digests[start : start + self._lookup_batch]
+                hit = self.session.call(partial(self.client.lookup, self.session.ns_id, batch)).hit_blocks
+                found += hit
+                if hit < len(batch):
+                    break
+        except Exception as exc:
+            self._failed("look up objects", exc)
+        return found
+
+    def support_batched_async_contains(self) -> bool:
+        return True
+
+    async def batched_async_contains(self, lookup_id: str, keys: List[CacheEngineKey], pin: bool = False) -> int:
+        return await self._run(self.batched_contains, keys)
+
+    # ---- gets --------------------------------------------------------------------------
+
+    async def get(self, key: CacheEngineKey) -> MemoryObj | None:
+        return (await self.batched_get([key]))[0]
+
+    def support_batched_get(self) -> bool:
+        return True
+
+    async def batched_get(self, keys: List[CacheEngineKey]) -> List[MemoryObj | None]:
+        """The objects of the leading keys present, then None for the rest."""
+        objs = await self._run(self._get_leading, keys)
+        return objs + [None] * (len(keys) - len(objs))
+
+    def support_batched_get_non_blocking(self) -> bool:
+        return True
+
+    async def batched_get_non_blocking(self, lookup_id: str, keys: List[CacheEngineKey]) -> List[MemoryObj]:
+        return await self._run(self._get_leading, keys)
+
+    def _get_leading(self, keys: List[CacheEngineKey]) -> List[MemoryObj]:
+        digests = [key_digest(k.to_string()) for k in keys]
+        objs: list[MemoryObj] = []
+        try:
+            for start in range(0, len(digests), self._batch):
+                batch = digests[start : start + self._batch]
+                objs += self._get_batch(batch)
+                if len(objs) < start + len(batch):
+                    break
+        except Exception as exc:  # what was copied and verified before the failure stays valid
+            self._failed("get objects", exc)
+        self._count(hits=len(objs))
+        self._remember(k.to_string() for k in keys[: len(objs)])
+        return objs
+
+    def _get_batch(self, digests: List[bytes]) -> List[MemoryObj]:
+        """The leading objects of ``digests`` (at most max_transfer_blocks), shared memory first."""
+        if not self.settings.shared_memory:
+            return self._fetch(digests)
+        grant = self.session.call(partial(self.client.get_slots, self.session.ns_id, digests,
+                                          self.settings.lease_ttl_s))
+        if grant.lease_id is None:  # nothing present, or no lease to be had: then Get copes alone
+            return self._fetch(digests) if grant.lease_refused else []
+        objs: list[MemoryObj] = []
+        try:
+            slots = self.client.slot_views(grant)  # the leading hit blocks in mapped host memory
+            for digest, slot in zip(digests, slots):
+                obj = self._rebuild(digest, slot)
+                if obj is None:
+                    break
+                objs.append(obj)
+            self._count(hits_shared_memory=len(objs))
+            if len(objs) < len(slots):
+                return objs
+            return objs + self._fetch(digests[len(objs) : grant.hit_blocks])
+        except BaseException:
+            _free(objs)
+            raise
+        finally:
+            self._release(grant)
+
+    def _fetch(self, digests: List[bytes]) -> List[MemoryObj]:
+        """The leading objects of ``digests`` through Get, one block at a time into the scratch block."""
+        block = self._scratch_block()
+        objs: list[MemoryObj] = []
+        try:
+            for digest in digests:
+                loaded = self.session.call(partial(self.client.load, self.session.ns_id, [digest], [block]))
+                obj = self._rebuild(digest, block) if loaded.complete else None
+                if obj is None:
+                    break
+                objs.append(obj)
+        except BaseException:
+            _free(objs)
+            raise
+        return objs
+
+    def _rebuild(self, digest: bytes, block: np.ndarray) -> MemoryObj | None:
+        """A verified copy of the object framed in ``block`` in memory LMCache allocates; None when
+        the block is not a valid object of ``digest`` or there is no memory (both counted)."""
+        try:
+            header = framing.read_header(block, digest)
+            shapes, dtypes, fmt = _torch_meta(header.meta)
+        except CorruptObject as exc:
+            return self._corrupt(digest, exc)
+        obj = self.local_cpu_backend.allocate(shapes, dtypes, fmt, busy_loop=False)
+        if obj is None:
+            self._count(no_memory=1)
+            return None
+        try:
+            copy = byte_view(obj.byte_array, writable=True)
+            if copy.nbytes != header.nbytes:
+                raise CorruptObject(f"its metadata describes {copy.nbytes} bytes, its header {header.nbytes}")
+            np.copyto(copy, framing.body(block, header))  # [nbytes] uint8
+            framing.verify(copy, header)
+        except CorruptObject as exc:
+            obj.ref_count_down()
+            return self._corrupt(digest, exc)
+        return obj
+
+    def _release(self, grant) -> None:
+        try:
+            self.client.release_grant(grant)
+        except Exception as exc:  # the lease ends by its TTL; every copy was verified on its own
+            log.debug("releasing a lease on the kvstore sidecar failed: %s", exc)
+
+    # ---- puts --------------------------------------------------------------------------
+
+    async def put(self, key: CacheEngineKey, memory_obj: MemoryObj) -> None:
+        await self._run(self._put_all, [key], [memory_obj])
+
+    def support_batched_put(self) -> bool:
+        return True
+
+    async def batched_put(self, keys: List[CacheEngineKey], memory_objs: List[MemoryObj]) -> None:
+        await self._run(self._put_all, keys, memory_objs)
+
+    def _put_all(self, keys: List[CacheEngineKey], objs: List[MemoryObj]) -> None:
+        put = self.client.put_shm if self.settings.shared_memory else self.client.put
+        block = self._scratch_block()
+        for done, (key, obj) in enumerate(zip(keys, objs)):
+            digest = key_digest(key.to_string())
+            try:
+                framing.frame(block, digest, byte_view(obj.byte_array), _object_meta(obj))
+            except ValueError as exc:  # larger than a full chunk: a serde other than "naive"
+                log.warning("not storing %s on the kvstore sidecar: %s", key.to_string(), exc)
+                self._count(put_failures=1)
+                continue
+            try:
+                result = self.session.call(partial(put, self.session.ns_id, [digest], [block]))
+            except Exception as exc:
+                self._failed("store objects", exc)
+                self._count(put_failures=len(keys) - done)
+                return
+            self._count(stored=result.stored, duplicates=result.duplicates, rejected=result.rejected)
+            if not result.rejected:
+                self._remember([key.to_string()])
+
+    # ---- the rest of the interface -----------------------------------------------------
+
+    def support_ping(self) -> bool:
+        return True
+
+    async def ping(self) -> int:
+        """0 when the sidecar answers, else the gRPC status code's number (14: UNAVAILABLE)."""
+        return await self._run(self._ping)
+
+    def _ping(self) -> int:
+        try:
+            self.session.register()
+        except Exception as exc:
+            self._failed("answer a ping", exc)
+            code = getattr(exc, "code", None)
+            return code().value[0] if callable(code) else -1
+        return 0
+
+    async def list(self) -> List[str]:
+        return await self._run(self._list_known)
+
+    def _list_known(self) -> List[str]:
+        with self._lock:
+            keys = list(self._known)
+        digests = [key_digest(k) for k in keys]
+        present: list[str] = []
+        start = 0
+        try:
+            while start < len(keys):  # each Lookup answers the leading run present, so skip one miss per call
+                batch = digests[start : start + self._lookup_batch]
+                hit = self.session.call(partial(self.client.lookup, self.session.ns_id, batch)).hit_blocks
+                present += keys[start : start + hit]
+                start += hit if hit == len(batch) else hit + 1
+        except Exception as exc:
+            self._failed("list objects", exc)
+        return present
+
+    def remove_sync(self, key: CacheEngineKey) -> bool:
+        """False, always: the sidecar drops single blocks only by eviction (DeleteNamespace drops all)."""
+        return False
+
+    async def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self.client.close()
+
+    def counts(self) -> dict[str, int]:
+        """What this connector did so far: stored, duplicates, rejected, put_failures, hits,
+        hits_shared_memory, corrupt, no_memory, call_failures."""
+        with self._lock:
+            return dict(self._counts)
+
+    def __repr__(self) -> str:
+        return f"<KVStoreConnector {self.settings.address} {self.namespace.model}/{self.session.ns_id.hex()[:8]}>"
+
+    # ---- internals ---------------------------------------------------------------------
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def _scratch_block(self) -> np.ndarray:
+        block = getattr(self._scratch, "block", None)
+        if block is None:
+            block = self._scratch.block = np.empty(self.spec.block_bytes, np.uint8)
+        return block
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            self._counts.update(deltas)
+
+    def _remember(self, keys) -> None:
+        with self._lock:
+            for key in keys:
+                self._known[key] = None
+                self._known.move_to_end(key)
+            while len(self._known) > KNOWN_KEYS:
+                self._known.popitem(last=False)
+
+    def _failed(self, what: str, exc: Exception) -> None:
+        self._count(call_failures=1)
+        self.session.failed(what, exc)
+
+    def _corrupt(self, digest: bytes, exc: CorruptObject) -> None:
+        log.warning("kvstore sidecar: block %s is not a valid LMCache object (%s); it counts as a miss",
+                    digest.hex(), exc)
+        self._count(corrupt=1)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _object_meta(obj: MemoryObj) -> ObjectMeta:
+    meta = obj.metadata
+    shapes = meta.shapes or [meta.shape]
+    dtypes = meta.dtypes or [meta.dtype]
+    return ObjectMeta(tuple(tuple(s) for s in shapes), tuple(_dtype_name(d) for d in dtypes), meta.fmt.name)
+
+
+def _torch_meta(meta: ObjectMeta) -> tuple[list[torch.Size], list[torch.dtype], MemoryFormat]:
+    """``meta`` as LMCache's allocate() takes it; ``CorruptObject`` for names this LMCache does not know."""
+    dtypes = [getattr(torch, name, None) for name in meta.dtypes]
+    if not all(isinstance(d, torch.dtype) for d in dtypes) or meta.fmt not in MemoryFormat.__members__:
+        raise CorruptObject(f"unknown dtypes {meta.dtypes} or memory format {meta.fmt!r}")
+    return [torch.Size(s) for s in meta.shapes], dtypes, MemoryFormat[meta.fmt]
+
+
+def _free(objs: list[MemoryObj]) -> None:
+    for obj in objs:
+        obj.ref_count_down()

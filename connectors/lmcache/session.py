@@ -1,0 +1,75 @@
+"""The plugin's link to the sidecar: one client, one namespace registered on demand, and the
+sidecar's availability logged once per change rather than once per call.
+
+``call(fn)`` registers the namespace first if needed and once more after a ``NOT_FOUND`` (a
+restarted sidecar has forgotten it), then runs ``fn`` again. Failures propagate: the connector
+decides that they are misses. Thread-safe (``KVStoreClient`` is; registering twice is harmless).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TypeVar
+
+import grpc
+
+from kvstore.keys import Namespace
+from kvstore.service.client import KVStoreClient
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class SidecarSession:
+    def __init__(self, client: KVStoreClient, namespace: Namespace, target: str):
+        self.client = client
+        self.namespace = namespace
+        self.ns_id = namespace.id  # the sidecar's id of a namespace is its content hash
+        self.target = target
+        self._registered = False
+        self._available = True
+
+    def call(self, fn: Callable[[], T]) -> T:
+        self._ensure_registered()
+        try:
+            result = fn()
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.NOT_FOUND:
+                raise
+            self._registered = False
+            self._ensure_registered()
+            result = fn()
+        if not self._available:
+            log.info("the kvstore sidecar %s answers again", self.target)
+            self._available = True
+        return result
+
+    def register(self) -> None:
+        """Register the namespace now (idempotent on the sidecar); raises what the call raises."""
+        ns_id = self.client.register_namespace(self.namespace)
+        if ns_id != self.ns_id:
+            raise RuntimeError(f"the sidecar registered {self.namespace.model} as {ns_id.hex()}, "
+                               f"expected {self.ns_id.hex()}: it fingerprints namespaces differently")
+        self._registered = True
+
+    def failed(self, what: str, exc: Exception) -> None:
+        """Log a failed call: a warning when the sidecar was answering until now, else at debug level."""
+        if isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE:
+            self._registered = False  # it may come back as a new process
+        if self._available:
+            log.warning("kvstore sidecar %s: cannot %s (%s); LMCache sees misses until it answers",
+                        self.target, what, describe(exc))
+            self._available = False
+        else:
+            log.debug("kvstore sidecar %s: cannot %s (%s)", self.target, what, describe(exc))
+
+    def _ensure_registered(self) -> None:
+        if not self._registered:
+            self.register()
+
+
+def describe(exc: Exception) -> str:
+    if isinstance(exc, grpc.RpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return str(exc) or type(exc).__name__
