@@ -26,7 +26,8 @@ How each side maps onto the sidecar's calls (``KVStoreClient``), fast path chose
 
 A sidecar that is down, restarting or refusing never crashes the engine: ``lookup`` returns a
 0-block hit, a load fails with ``LoadFailed`` (the engine recomputes), a save is logged and
-dropped. The namespace is registered lazily and again after ``NOT_FOUND`` (a restarted sidecar).
+dropped. The namespace is registered lazily and again after ``NOT_FOUND`` (a restarted sidecar):
+``connectors.sidecar_session``.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import numpy as np
 
 from connectors._pages import BackgroundLoad, SaveWriter, gather_blocks, load_targets, scatter_layer
 from connectors.base import ConnectorHit, KVConnector, LoadFailed, LoadHandle, PageBytes
+from connectors.sidecar_session import SidecarSession, describe
 from connectors.store_connector import DEFAULT_LEASE_TTL_S
 from kvstore.keys import Namespace
 from kvstore.layout import BlockSpec
@@ -68,16 +70,16 @@ class SidecarConnector(KVConnector):
         self.lease_ttl_s = lease_ttl_s
         self.limits = limits
         self._batch = limits.max_transfer_blocks
-        self._registered = False
-        self._available = True  # last call reached the sidecar (for logging state changes once)
+        self.session = SidecarSession(self.client, namespace, self.target or "",
+                                      meanwhile="the engine serves without it (misses)")
         self._leases: dict[str, int] = {}
         self._lock = threading.Lock()
         self._saves = SaveWriter(self._put, "saving blocks to the sidecar failed; they stay uncached", logger=log)
         self._reports = ThreadPoolExecutor(1, thread_name_prefix="kvstore-report")  # off the engine's step
         try:
-            self._ensure_registered()
+            self.session.register()
         except Exception as exc:
-            self._unavailable("register the namespace", exc)
+            self.session.failed("register the namespace", exc)
 
     # ---- lookup side -------------------------------------------------------------------
 
@@ -85,9 +87,9 @@ class SidecarConnector(KVConnector):
         self.release(request_id)
         hashes = list(block_hashes[: self.limits.max_lookup_blocks])
         try:
-            result = self._call(lambda: self.client.lookup(self.ns_id, hashes, lease_ttl_s=self.lease_ttl_s))
+            result = self.session.call(lambda: self.client.lookup(self.ns_id, hashes, lease_ttl_s=self.lease_ttl_s))
         except Exception as exc:
-            self._unavailable("look up", exc)
+            self.session.failed("look up", exc)
             return ConnectorHit(request_id, 0, self.spec.block_size, ())
         if result.lease_id is not None:
             with self._lock:
@@ -143,9 +145,9 @@ class SidecarConnector(KVConnector):
 
     def _report(self, saved_tokens: int, computed_tokens: int) -> None:
         try:
-            self._call(lambda: self.client.report_prefill(self.ns_id, saved_tokens, computed_tokens))
+            self.session.call(lambda: self.client.report_prefill(self.ns_id, saved_tokens, computed_tokens))
         except Exception as exc:
-            log.debug("reporting a prefill to the sidecar failed: %s", _describe(exc))
+            log.debug("reporting a prefill to the sidecar failed: %s", describe(exc))
 
     def save(self, request_id: str, block_hashes: Sequence[bytes], pages: Sequence[int], pool: PageBytes,
              parent: bytes | None) -> None:
@@ -181,42 +183,7 @@ class SidecarConnector(KVConnector):
         for start in range(0, len(hashes), self._batch):
             batch = slice(start, start + self._batch)
             batch_parent = parent if start == 0 else hashes[start - 1]
-            self._call(partial(self.client.put_shm, self.ns_id, hashes[batch], payloads[batch], parent=batch_parent))
-
-    def _ensure_registered(self) -> None:
-        if not self._registered:
-            ns_id = self.client.register_namespace(self.namespace)
-            if ns_id != self.ns_id:
-                raise RuntimeError(f"the sidecar registered namespace {self.namespace.model} as {ns_id.hex()}, "
-                                   f"expected {self.ns_id.hex()}")
-            self._registered = True
-
-    def _call(self, fn):
-        """``fn()`` with the namespace registered; once more after a NOT_FOUND (a restarted sidecar
-        that no longer knows it). Marks the sidecar available again on success."""
-        self._ensure_registered()
-        try:
-            result = fn()
-        except grpc.RpcError as exc:
-            if exc.code() != grpc.StatusCode.NOT_FOUND:
-                raise
-            self._registered = False
-            self._ensure_registered()
-            result = fn()
-        if not self._available:
-            log.info("the kvstore sidecar %s is reachable again", self.target or "")
-            self._available = True
-        return result
-
-    def _unavailable(self, what: str, exc: Exception) -> None:
-        if isinstance(exc, grpc.RpcError):
-            self._registered = self._registered and exc.code() != grpc.StatusCode.UNAVAILABLE
-        if self._available:
-            log.warning("cannot %s on the kvstore sidecar %s (%s); serving without it until it answers",
-                        what, self.target or "", _describe(exc))
-            self._available = False
-        else:
-            log.debug("cannot %s on the kvstore sidecar: %s", what, _describe(exc))
+            self.session.call(partial(self.client.put_shm, self.ns_id, hashes[batch], payloads[batch], parent=batch_parent))
 
     def _end_lease(self, lease_id: int | None) -> None:
         if lease_id is None:
@@ -225,12 +192,7 @@ class SidecarConnector(KVConnector):
             self.client.release(lease_id)
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.NOT_FOUND:  # NOT_FOUND: expired or ended meanwhile
-                log.debug("releasing lease %d on the sidecar failed: %s", lease_id, _describe(exc))
+                log.debug("releasing lease %d on the sidecar failed: %s", lease_id, describe(exc))
         except Exception as exc:
             log.debug("releasing lease %d on the sidecar failed: %s", lease_id, exc)
 
-
-def _describe(exc: Exception) -> str:
-    if isinstance(exc, grpc.RpcError):
-        return f"{exc.code().name}: {exc.details()}"
-    return str(exc) or type(exc).__name__

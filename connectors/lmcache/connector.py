@@ -49,7 +49,7 @@ from connectors.lmcache import framing
 from connectors.lmcache.config import PluginConfig
 from connectors.lmcache.framing import CorruptObject, ObjectMeta, key_digest
 from connectors.lmcache.namespace import lmcache_namespace
-from connectors.lmcache.session import SidecarSession
+from connectors.sidecar_session import SidecarSession
 from kvstore.buffers import byte_view
 from kvstore.layout import BlockSpec
 from kvstore.service.client import KVStoreClient
@@ -72,7 +72,7 @@ class KVStoreConnector(RemoteConnector):
         self.spec = BlockSpec.of(self.namespace)
         self.client = KVStoreClient(settings.address, timeout_s=settings.timeout_s, limits=limits,
                                     token=settings.bearer_token(), root_certificates=settings.root_certificates())
-        self.session = SidecarSession(self.client, self.namespace, settings.address)
+        self.session = SidecarSession(self.client, self.namespace, settings.address, meanwhile="LMCache sees misses")
         self._batch = limits.max_transfer_blocks
         self._lookup_batch = limits.max_lookup_blocks
         self._pool = ThreadPoolExecutor(settings.workers, thread_name_prefix="kvstore-lmcache")

@@ -138,7 +138,7 @@ def test_a_sidecar_that_is_down_is_a_miss_and_a_failed_load_never_an_exception(c
             handle.wait_layer(0)
         assert handle.wait() == 0
         connector.release("a")
-    assert sum("serving without it" in r.getMessage() for r in caplog.records) == 1, "one warning, not one per call"
+    assert sum("serves without it" in r.getMessage() for r in caplog.records) == 1, "one warning, not one per call"
 
 
 def test_a_sidecar_that_dies_after_the_lookup_fails_the_load(make_store, sidecars, connectors, hashes):

@@ -20,7 +20,7 @@ hash_lists = st.lists(digests, max_size=12)
 ttls = st.one_of(st.none(), st.floats(min_value=-5, max_value=120, allow_nan=False))
 
 
-def still_sound(store, client) -> None:
+def check_still_sound(store, client) -> None:
     """The server serves a fresh round trip byte-exactly and the store's books agree."""
     assert round_trip_works(client)
     store.flush()
@@ -54,7 +54,7 @@ def test_fuzzed_lookups_and_gets(stub, client, store, known_ns, ns, hashes, ttl)
     answered(stub.Get, pb.GetRequest(namespace_id=ns, block_hashes=hashes, chunk_bytes=7, block_bytes=len(hashes)))
     answered(stub.GetSlots, pb.GetSlotsRequest(namespace_id=ns, block_hashes=hashes, lease_ttl_s=ttl or 0))
     answered(stub.Release, pb.ReleaseRequest(lease_id=len(hashes)))
-    still_sound(store, client)
+    check_still_sound(store, client)
 
 
 chunks = st.builds(pb.Chunk, block_index=st.integers(0, 4), offset=st.integers(0, 20000),
@@ -76,7 +76,7 @@ def test_fuzzed_put_streams_store_nothing_wrong(stub, client, store, known_ns, m
     if store.stats().stored_blocks > before:  # only a stream with complete, well-sized blocks may store
         header = messages[0].header
         assert header.block_bytes == store.spec(known_ns).block_bytes
-    still_sound(store, client)
+    check_still_sound(store, client)
 
 
 @FUZZ
@@ -92,4 +92,4 @@ def test_fuzzed_admin_and_staging_calls(stub, client, store, ns, hashes, block_b
                                                          computed_tokens=computed))
     answered(stub.DeleteNamespace, pb.DeleteNamespaceRequest(namespace_id=ns))
     answered(stub.RegisterNamespace, pb.RegisterNamespaceRequest(canonical_json=ns.decode("latin-1")))
-    still_sound(store, client)
+    check_still_sound(store, client)

@@ -1,5 +1,6 @@
-"""The plugin's link to the sidecar: one client, one namespace registered on demand, and the
-sidecar's availability logged once per change rather than once per call.
+"""A connector's link to the sidecar: one client, one namespace registered on demand, and the
+sidecar's availability logged once per change rather than once per call. Shared by the engine's
+``SidecarConnector`` and LMCache's plugin (``connectors.lmcache``).
 
 ``call(fn)`` registers the namespace first if needed and once more after a ``NOT_FOUND`` (a
 restarted sidecar has forgotten it), then runs ``fn`` again. Failures propagate: the connector
@@ -22,11 +23,16 @@ T = TypeVar("T")
 
 
 class SidecarSession:
-    def __init__(self, client: KVStoreClient, namespace: Namespace, target: str):
+    """``meanwhile`` finishes the warning logged when the sidecar stops answering (what the caller
+    does without it, e.g. "LMCache sees misses")."""
+
+    def __init__(self, client: KVStoreClient, namespace: Namespace, target: str,
+                 meanwhile: str = "callers see misses"):
         self.client = client
         self.namespace = namespace
         self.ns_id = namespace.id  # the sidecar's id of a namespace is its content hash
         self.target = target
+        self.meanwhile = meanwhile
         self._registered = False
         self._available = True
 
@@ -58,8 +64,8 @@ class SidecarSession:
         if isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE:
             self._registered = False  # it may come back as a new process
         if self._available:
-            log.warning("kvstore sidecar %s: cannot %s (%s); LMCache sees misses until it answers",
-                        self.target, what, describe(exc))
+            log.warning("kvstore sidecar %s: cannot %s (%s); %s until it answers",
+                        self.target, what, describe(exc), self.meanwhile)
             self._available = False
         else:
             log.debug("kvstore sidecar %s: cannot %s (%s)", self.target, what, describe(exc))
