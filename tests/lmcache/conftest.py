@@ -1,8 +1,9 @@
 """The LMCache environment and real sidecar processes for the plugin's tests.
 
-LMCache pins protobuf<7, so it lives in its own environment (``make lmcache-venv`` builds
-``.venv-lmcache``; ``KVSTORE_LMCACHE_PYTHON`` names another interpreter). Tests that need LMCache
-run it there as subprocesses (``engine_worker.py``); the sidecar runs from this environment.
+LMCache lives in an environment of its own, the project installed with its ``lmcache`` extra
+(``make lmcache-venv`` builds ``.venv-lmcache``; ``KVSTORE_LMCACHE_PYTHON`` names another
+interpreter): protobuf 6 and grpcio 1.78 there, the newest of both here. Tests that need LMCache run
+it there as subprocesses (``engine_worker.py``); the sidecar runs from this environment.
 """
 
 from __future__ import annotations

@@ -84,7 +84,7 @@ class LookupResponse(_message.Message):
     tiers: _containers.RepeatedScalarFieldContainer[str]
     lease_id: int
     lease_refused: bool
-    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., tiers: _Optional[_Iterable[str]] = ..., lease_id: _Optional[int] = ..., lease_refused: _Optional[bool] = ...) -> None: ...
+    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., tiers: _Optional[_Iterable[str]] = ..., lease_id: _Optional[int] = ..., lease_refused: bool = ...) -> None: ...
 
 class GetRequest(_message.Message):
     __slots__ = ("namespace_id", "block_hashes", "lease_id", "chunk_bytes", "block_bytes")
@@ -164,7 +164,7 @@ class GetSlotsResponse(_message.Message):
     lease_id: int
     lease_refused: bool
     block_bytes: int
-    def __init__(self, requested_blocks: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., segment_path: _Optional[str] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., lease_id: _Optional[int] = ..., lease_refused: _Optional[bool] = ..., block_bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, requested_blocks: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., segment_path: _Optional[str] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., lease_id: _Optional[int] = ..., lease_refused: bool = ..., block_bytes: _Optional[int] = ...) -> None: ...
 
 class PutHeader(_message.Message):
     __slots__ = ("namespace_id", "block_hashes", "parent", "block_bytes")
@@ -196,7 +196,7 @@ class PutResponse(_message.Message):
     duplicates: int
     rejected: int
     durable: bool
-    def __init__(self, stored: _Optional[int] = ..., duplicates: _Optional[int] = ..., rejected: _Optional[int] = ..., durable: _Optional[bool] = ...) -> None: ...
+    def __init__(self, stored: _Optional[int] = ..., duplicates: _Optional[int] = ..., rejected: _Optional[int] = ..., durable: bool = ...) -> None: ...
 
 class ReserveSlotsRequest(_message.Message):
     __slots__ = ("namespace_id", "block_hashes", "parent", "block_bytes", "ttl_s")

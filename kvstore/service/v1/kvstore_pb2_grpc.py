@@ -5,7 +5,7 @@ import warnings
 
 from kvstore.service.v1 import kvstore_pb2 as kvstore_dot_service_dot_v1_dot_kvstore__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.78.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -25,7 +25,7 @@ if _version_not_supported:
     )
 
 
-class KVStoreStub:
+class KVStoreStub(object):
     """One TieredStore (host and disk tiers) shared by every engine process on a host.
     """
 
@@ -92,7 +92,7 @@ class KVStoreStub:
                 _registered_method=True)
 
 
-class KVStoreServicer:
+class KVStoreServicer(object):
     """One TieredStore (host and disk tiers) shared by every engine process on a host.
     """
 
@@ -250,7 +250,7 @@ def add_KVStoreServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class KVStore:
+class KVStore(object):
     """One TieredStore (host and disk tiers) shared by every engine process on a host.
     """
 
