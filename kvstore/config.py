@@ -8,7 +8,7 @@ environment, the environment overrides defaults)::
     KVSTORE_DISK_PATH=/var/lib/kvstore
     KVSTORE_DISK_CAPACITY=200GiB    disk tier bytes ("0" disables it; default: auto)
     KVSTORE_DURABLE=1               acknowledge a disk write only after fsync
-    KVSTORE_DIRECT_READS=1          disk tier reads with O_DIRECT (default: buffered)
+    KVSTORE_DIRECT_IO=0             disk tier reads and writes buffered (default: O_DIRECT)
     KVSTORE_POLICY=reuse_arc
     KVSTORE_WRITE_POLICY=write_through | on_eviction
     KVSTORE_PROMOTE_ON_HIT=1
@@ -83,7 +83,7 @@ class DiskConfig:
     capacity_bytes: int | None = None  # None: auto
     segment_bytes: int = 256 << 20
     durable: bool = False
-    direct_reads: bool = False  # O_DIRECT reads: no page-cache double caching, no warm page-cache hits
+    direct_io: bool = True  # O_DIRECT reads (with read-ahead) and appends (write-behind): no double caching
 
     def resolved_capacity(self) -> int:
         if self.capacity_bytes is not None:
@@ -131,8 +131,8 @@ class StoreConfig:
             disk.capacity_bytes = parse_size(env["DISK_CAPACITY"])
         if "DURABLE" in env:
             disk.durable = parse_bool(env["DURABLE"])
-        if "DIRECT_READS" in env:
-            disk.direct_reads = parse_bool(env["DIRECT_READS"])
+        if "DIRECT_IO" in env:
+            disk.direct_io = parse_bool(env["DIRECT_IO"])
         for name, key, convert in (("policy", "POLICY", str), ("write_policy", "WRITE_POLICY", str),
                                    ("promote_on_hit", "PROMOTE_ON_HIT", parse_bool),
                                    ("lease_ttl_s", "LEASE_TTL_S", float)):
@@ -151,7 +151,7 @@ class StoreConfig:
         if self.disk is not None:
             try:
                 tiers.append(DiskTier(self.disk.path, self.disk.resolved_capacity(), self.disk.segment_bytes,
-                                      self.disk.durable, progress=progress, direct_reads=self.disk.direct_reads))
+                                      self.disk.durable, progress=progress, direct_io=self.disk.direct_io))
             except BaseException:
                 for tier in tiers:
                     tier.close()

@@ -1,4 +1,4 @@
-"""O_DIRECT reads through page-aligned, per-thread bounce buffers.
+"""O_DIRECT reads and writes through page-aligned, per-thread bounce buffers.
 
 O_DIRECT needs the file offset, the length and the memory address aligned (4 KiB here), and
 callers' buffers are not. So a read covers the aligned span around the wanted bytes, lands in
@@ -8,7 +8,14 @@ rate with large requests (buffered reads of a cold file go at the speed of the k
 readahead window, which on this machine was under half the O_DIRECT rate), and they do not fill
 the page cache with bytes the host tier already holds.
 
-File systems without O_DIRECT (tmpfs) make ``open_direct`` return None: callers read buffered.
+Writes go the same way: a record is assembled in this thread's write bounce buffer (header,
+payload, zero padding to the aligned footprint) and written with one O_DIRECT ``pwrite``. Against
+buffered appends with early writeback this measured the same median here (0.83x and 0.87x of a
+raw O_DIRECT 4 MiB stream) but without the bimodal stalls of dirty-page throttling (single runs
+of buffered appends ranged 0.45x-1.1x, O_DIRECT 0.68x-1.1x), and it keeps the disk tier's bytes
+out of the page cache, which the host tier already plays.
+
+File systems without O_DIRECT (tmpfs) make ``open_direct`` return None: callers use buffered I/O.
 """
 
 from __future__ import annotations
@@ -24,26 +31,26 @@ ALIGN = 4096
 _local = threading.local()
 
 
-def open_direct(path: str) -> int | None:
-    """A read-only O_DIRECT descriptor for ``path``, or None where O_DIRECT is not supported."""
+def open_direct(path: str, writable: bool = False) -> int | None:
+    """An O_DIRECT descriptor for ``path`` (read-only, or write-only with ``writable``), or None
+    where O_DIRECT is not supported."""
     flag = getattr(os, "O_DIRECT", 0)
     if not flag:
         return None
     try:
-        return os.open(path, os.O_RDONLY | flag)
+        return os.open(path, (os.O_WRONLY if writable else os.O_RDONLY) | flag)
     except OSError as exc:
         if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):
             return None
         raise
 
 
-def _bounce(nbytes: int) -> np.ndarray:
-    """This thread's page-aligned scratch of at least ``nbytes`` (grows, never shrinks)."""
-    buf = getattr(_local, "buf", None)
+def _bounce(nbytes: int, use: str = "read") -> np.ndarray:
+    """This thread's page-aligned scratch for ``use`` of at least ``nbytes`` (grows, never shrinks)."""
+    buf = getattr(_local, use, None)
     if buf is None or len(buf) < nbytes:
-        size = max(nbytes, 8 << 20)
-        _local.mapping = mmap.mmap(-1, size)  # anonymous: page-aligned
-        buf = _local.buf = np.frombuffer(_local.mapping, np.uint8)
+        buf = aligned_buffer(max(nbytes, 8 << 20))
+        setattr(_local, use, buf)
     return buf
 
 
@@ -58,6 +65,18 @@ def read_direct(fd: int, offset: int, length: int) -> np.ndarray:
     return span[offset - start : offset - start + available]
 
 
+def read_direct_into(fd: int, offset: int, span: np.ndarray) -> int:
+    """Fill the page-aligned ``span`` (its length a multiple of ALIGN) from ``offset`` (aligned)
+    with O_DIRECT; returns the bytes read (fewer at end of file)."""
+    got = 0
+    while got < span.nbytes:
+        n = os.preadv(fd, [span[got:]], offset + got)
+        got += n
+        if n == 0 or n % ALIGN:  # end of file
+            break
+    return got
+
+
 def read_record_direct(fd: int, header_at: int, data_at: int, nbytes: int,
                        header_bytes: int = ALIGN) -> tuple[np.ndarray, np.ndarray]:
     """A record's header page and ``nbytes`` at ``data_at``: one read when they are adjacent (a
@@ -67,3 +86,34 @@ def read_record_direct(fd: int, header_at: int, data_at: int, nbytes: int,
         return span[:header_bytes], span[header_bytes:]
     header_page = read_direct(fd, header_at, header_bytes).copy()
     return header_page, read_direct(fd, data_at, nbytes)
+
+
+def aligned_buffer(nbytes: int) -> np.ndarray:
+    """A page-aligned ``[nbytes]`` uint8 buffer (an anonymous mapping, kept alive by the array)."""
+    return np.frombuffer(mmap.mmap(-1, max(nbytes, 1)), np.uint8)
+
+
+def assemble_record(span: np.ndarray, header: bytes, payload: np.ndarray) -> None:
+    """Fill ``span`` (flat ``uint8``) with ``header``, ``payload`` (flat ``uint8``) and zeros."""
+    end = len(header) + payload.nbytes
+    span[: len(header)] = np.frombuffer(header, np.uint8)
+    span[len(header) : end] = payload
+    span[end:] = 0
+
+
+def write_all(fd: int, span: np.ndarray, offset: int) -> None:
+    """One write of all of ``span`` at ``offset``; OSError when the device takes less (the caller
+    then cuts the file back). O_DIRECT: ``span`` page-aligned, its length and ``offset`` aligned."""
+    written = os.pwrite(fd, span, offset)
+    if written != span.nbytes:
+        raise OSError(errno.EIO, f"short write: {written} of {span.nbytes} bytes")
+
+
+def write_record_direct(fd: int, offset: int, header: bytes, payload: np.ndarray, size: int) -> None:
+    """Write ``header``, ``payload`` (flat ``uint8``) and zeros up to ``size`` bytes at ``offset``
+    with one O_DIRECT write through this thread's write bounce buffer; ``offset`` and ``size`` are
+    multiples of ALIGN."""
+    assert offset % ALIGN == 0 and size % ALIGN == 0 and len(header) + payload.nbytes <= size, "unaligned record"
+    span = _bounce(size, "write")[:size]
+    assemble_record(span, header, payload)
+    write_all(fd, span, offset)

@@ -29,6 +29,7 @@ import shutil
 import struct
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -38,7 +39,10 @@ from rocksdict import Options, Rdict, WriteBatch, WriteOptions
 from kvstore.checksum import layers_match
 from kvstore.errors import InvalidRequest, StoreClosed
 from kvstore.tiers.base import KEY_BYTES, BlockMeta, Tier, TierStats
-from kvstore.tiers.direct_io import open_direct, read_record_direct
+from kvstore.tiers.direct_io import (
+    open_direct, read_direct, read_record_direct, write_record_direct,
+)
+from kvstore.tiers.read_ahead import ReadAhead, Record
 from kvstore.tiers.segment import (
     HEADER_BYTES, MAX_LAYERS, RecordHeader, footprint, punch_hole, scan_segment, start_writeback,
 )
@@ -80,17 +84,25 @@ class _Segment:
     """One open segment file. Readers hold a reference while they read, so the descriptor stays
     valid even if the segment is deleted meanwhile (it closes with the last reference)."""
 
-    def __init__(self, segment_id: int, path: str, direct_reads: bool = False):
+    def __init__(self, segment_id: int, path: str, direct: bool = False, appends: bool = False):
+        """``direct``: reads (and with ``appends``, writes) use O_DIRECT descriptors."""
         self.id = segment_id
         self.path = path
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        self.direct_fd = open_direct(path) if direct_reads else None  # None: buffered reads
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # buffered I/O, size, holes, fdatasync
+        self.direct_fd = open_direct(path) if direct else None  # None: buffered reads
+        self.write_fd = open_direct(path, writable=True) if direct and appends else None  # None: buffered writes
         self.live_bytes = 0
         self.dead_bytes = 0  # removed but not reclaimable (no hole punching)
         self.dirty = False
 
+    def seal(self) -> None:
+        """No more appends (no longer the active segment): close the O_DIRECT write descriptor."""
+        fd, self.write_fd = self.write_fd, None
+        if fd is not None:
+            os.close(fd)
+
     def __del__(self) -> None:
-        for name in ("fd", "direct_fd"):
+        for name in ("fd", "direct_fd", "write_fd"):
             fd = getattr(self, name, None)
             setattr(self, name, None)
             if fd is not None and fd >= 0:
@@ -111,7 +123,7 @@ class DiskTier(Tier):
         segment_bytes: int = DEFAULT_SEGMENT_BYTES,
         durable: bool = False,
         progress: Callable[[str, int], Callable[[int], None]] | None = None,
-        direct_reads: bool = False,
+        direct_io: bool = True,
     ):
         if capacity_bytes < HEADER_BYTES * 2:
             raise InvalidRequest(f"disk tier capacity must be at least {HEADER_BYTES * 2} bytes")
@@ -119,12 +131,16 @@ class DiskTier(Tier):
         self.capacity_bytes = capacity_bytes
         self.segment_bytes = segment_bytes
         self.durable = durable
-        # Buffered reads (default) serve warm blocks from the page cache and overlap cold reads
-        # with readahead; O_DIRECT reads never double-cache what the host tier holds. On this
-        # machine neither won reliably on cold reads (see the README's benchmark section).
-        self.direct_reads = direct_reads
         self._segments_dir = os.path.join(self.path, "segments")
         os.makedirs(self._segments_dir, exist_ok=True)
+        # O_DIRECT reads and writes (default), or buffered ones: never a mix. A buffered read next
+        # to an O_DIRECT append can leave stale pages in the page cache that later buffered reads
+        # serve (seen here as records reading back as zeros); checksums caught it, as misses.
+        # Where the file system has no O_DIRECT (tmpfs), everything is buffered.
+        self.direct_io = direct_io and _supports_direct(self._segments_dir)
+        self._reader: ThreadPoolExecutor | None = None  # O_DIRECT read-ahead, on demand
+        self._write_buffers: list[np.ndarray] = []  # two page-aligned records: one assembling, one writing
+        self._runs = threading.local()  # each loading thread's ReadAhead
         self._lock = threading.RLock()
         self._index: dict[bytes, _Entry] = {}
         self._segments: dict[int, _Segment] = {}
@@ -194,7 +210,9 @@ class DiskTier(Tier):
             if segment_id > tail_segment:  # created, but nothing in it was ever committed
                 os.unlink(os.path.join(self._segments_dir, _segment_name(segment_id)))
                 continue
-            self._segments[segment_id] = _Segment(segment_id, os.path.join(self._segments_dir, _segment_name(segment_id)), self.direct_reads)
+            path = os.path.join(self._segments_dir, _segment_name(segment_id))
+            appends = segment_id == tail_segment  # the active segment: writes go on
+            self._segments[segment_id] = _Segment(segment_id, path, self.direct_io, appends)
         for entry in self._index.values():
             self._segments[entry.segment].live_bytes += footprint(entry.nbytes)
         if tail_segment in self._segments:
@@ -309,6 +327,12 @@ class DiskTier(Tier):
             return True
 
     def _write_record(self, segment: _Segment, offset: int, header: bytes, payload: np.ndarray, size: int) -> None:
+        segment.dirty = True  # the file's size (and, buffered, its pages) await fdatasync either way
+        if segment.write_fd is not None:
+            write_record_direct(segment.write_fd, offset, header, payload.reshape(-1).view(np.uint8), size)
+            if self.durable:
+                os.fdatasync(segment.fd)
+            return
         start, pad = offset, size - HEADER_BYTES - payload.nbytes
         buffers = [memoryview(header), memoryview(payload).cast("B"), memoryview(_ZEROS)[:pad]]
         while buffers:
@@ -319,7 +343,6 @@ class DiskTier(Tier):
                 buffers.pop(0)
             if buffers and written:
                 buffers[0] = buffers[0][written:]
-        segment.dirty = True
         if self.durable:
             os.fdatasync(segment.fd)
         else:
@@ -327,11 +350,14 @@ class DiskTier(Tier):
 
     def _roll_segment(self) -> None:
         next_id = max(self._segments, default=0) + 1
-        segment = _Segment(next_id, os.path.join(self._segments_dir, _segment_name(next_id)), self.direct_reads)
+        segment = _Segment(next_id, os.path.join(self._segments_dir, _segment_name(next_id)), self.direct_io,
+                           appends=True)
         if self.durable:  # the new file's directory entry must survive a power loss too
             _fsync_directory(self._segments_dir)
         self._segments[next_id] = segment
         old, self._active, self._tail = self._active, segment, 0
+        if old is not None:
+            old.seal()
         if old is not None and old.live_bytes == 0:
             self._delete_segment(old)
 
@@ -345,10 +371,18 @@ class DiskTier(Tier):
         layer_bytes = entry.nbytes // entry.num_layers
         assert dst.nbytes == count * layer_bytes, "destination size checked by the store (bug)"
         start = entry.offset + HEADER_BYTES + first_layer * layer_bytes
+        run = self._run_for(key, entry, first_layer, count)
         try:
             if segment is None or os.fstat(segment.fd).st_nlink == 0:
                 raise FileNotFoundError(f"segment {entry.segment} is gone")
-            if segment.direct_fd is not None:
+            span = run.take(key, entry.segment, entry.offset) if run is not None else None
+            if run is not None and span is None:  # out of step with the run: read alone from now on
+                self._end_run(run)
+                run = None
+            if span is not None:  # read ahead while the blocks before it were verified and copied
+                header_page, data = span[:HEADER_BYTES], span[HEADER_BYTES : HEADER_BYTES + dst.nbytes]
+                complete = header_page.nbytes == HEADER_BYTES and data.nbytes == dst.nbytes
+            elif segment.direct_fd is not None:
                 header_page, data = read_record_direct(segment.direct_fd, entry.offset, start, dst.nbytes)
                 complete = header_page.nbytes == HEADER_BYTES and data.nbytes == dst.nbytes
             else:
@@ -356,11 +390,24 @@ class DiskTier(Tier):
                 complete = os.preadv(segment.fd, [header_page], entry.offset) == HEADER_BYTES
                 complete = complete and os.preadv(segment.fd, [dst], start) == dst.nbytes
         except OSError as exc:
+            self._end_run(run)
             self._counters["io_errors"] += 1
             log.warning("disk tier %s: read of a block failed (%s); dropped", self.path, exc)
             self.remove(key)
             return False
-        header = RecordHeader.decode(header_page) if complete else None
+        try:
+            return self._verify_and_copy(key, entry, header_page if complete else None, data, dst, first_layer, count)
+        finally:
+            if run is not None:
+                run.done()
+                if run.exhausted():
+                    self._end_run(run)
+
+    def _verify_and_copy(self, key: bytes, entry: _Entry, header_page: np.ndarray | None, data: np.ndarray,
+                         dst: np.ndarray, first_layer: int, count: int) -> bool:
+        """Copy ``data`` into ``dst`` if the record verifies (``header_page`` None: it was read short);
+        otherwise drop the block and count it."""
+        header = RecordHeader.decode(header_page) if header_page is not None else None
         if not (header and header.key == key and header.nbytes == entry.nbytes
                 and layers_match(data, header.checksums[first_layer : first_layer + count])):
             self._counters["checksum_failures"] += 1
@@ -373,10 +420,12 @@ class DiskTier(Tier):
         return True
 
     def prefetch(self, keys: list[bytes]) -> None:
-        """Ask the kernel to start reading these records now (``POSIX_FADV_WILLNEED``), so the
-        reads of a multi-block load overlap with verifying and copying the blocks before them.
-        Buffered reads only: O_DIRECT reads bypass the page cache the hint would fill."""
-        if self.direct_reads:
+        """Start reading these records now, so the reads of a multi-block load overlap with
+        verifying and copying the blocks before them. Buffered reads: ask the kernel
+        (``POSIX_FADV_WILLNEED``). O_DIRECT reads: a ``ReadAhead`` over the leading records
+        present, for this thread's next whole-block reads of them in this order."""
+        if self.direct_io:
+            self._start_run(keys)
             return
         for key in keys:
             entry = self._index.get(key)
@@ -387,10 +436,46 @@ class DiskTier(Tier):
                 except OSError:
                     return  # a hint only
 
+    def _start_run(self, keys: list[bytes]) -> None:
+        self._end_run(getattr(self._runs, "run", None))
+        records, owners = [], []
+        for key in keys:
+            entry = self._index.get(key)
+            segment = self._segments.get(entry.segment) if entry else None
+            if segment is None or segment.direct_fd is None:
+                break
+            records.append(Record(key, segment.id, segment.direct_fd, entry.offset, footprint(entry.nbytes)))
+            owners.append(segment)
+        if len(records) < 2:
+            return
+        with self._lock:
+            if self._reader is None:
+                self._reader = ThreadPoolExecutor(1, thread_name_prefix="kvstore-disk-read")
+        self._runs.run = ReadAhead(self._reader, records, owners=tuple(owners))
+
+    def _run_for(self, key: bytes, entry: _Entry, first_layer: int, count: int) -> ReadAhead | None:
+        """This thread's read-ahead, if ``key`` is a whole-block read it can serve; a run that has
+        fallen out of step with the reads is ended."""
+        run = getattr(self._runs, "run", None)
+        if run is None:
+            return None
+        if first_layer != 0 or count != entry.num_layers:
+            self._end_run(run)
+            return None
+        return run
+
+    def _end_run(self, run: ReadAhead | None) -> None:
+        if run is not None:
+            run.close()
+            if getattr(self._runs, "run", None) is run:
+                self._runs.run = None
+
     def _read_header(self, entry: _Entry) -> RecordHeader | None:
         segment = self._segments.get(entry.segment)
         if segment is None:
             return None
+        if segment.direct_fd is not None:
+            return RecordHeader.decode(read_direct(segment.direct_fd, entry.offset, HEADER_BYTES))
         return RecordHeader.decode(os.pread(segment.fd, HEADER_BYTES, entry.offset))
 
     def remove(self, key: bytes) -> bool:
@@ -475,6 +560,8 @@ class DiskTier(Tier):
                 return
             self.flush()
             self._closed = True
+            if self._reader is not None:
+                self._reader.shutdown(wait=True)
             self._db.close()
             self._segments.clear()
             self._active = None
@@ -482,6 +569,20 @@ class DiskTier(Tier):
     def _check_open(self) -> None:
         if self._closed:
             raise StoreClosed(f"disk tier at {self.path} is closed")
+
+
+def _supports_direct(directory: str) -> bool:
+    """Whether files in ``directory`` can be opened with O_DIRECT (not on tmpfs, say)."""
+    probe = os.path.join(directory, ".direct-probe")
+    os.close(os.open(probe, os.O_WRONLY | os.O_CREAT, 0o644))
+    try:
+        fd = open_direct(probe, writable=True)
+        if fd is None:
+            return False
+        os.close(fd)
+        return True
+    finally:
+        os.unlink(probe)
 
 
 def _fsync_directory(path: str) -> None:

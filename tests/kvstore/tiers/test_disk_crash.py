@@ -123,16 +123,20 @@ path, nbytes = sys.argv[1], int(sys.argv[2])
 tier = DiskTier(path, 64 << 20, segment_bytes=64 << 20)
 for i in range(5):
     assert put(tier, i, nbytes)
-real_pwritev = os.pwritev
+real_pwrite = os.pwrite
 
-def torn_pwritev(fd, buffers, offset):
-    # write the header and part of the payload, then die (a torn record)
-    first = bytes(buffers[0]) + bytes(buffers[1])[:5000]
-    os.pwrite(fd, first, offset)
+def torn(fd, first, offset):
+    real_pwrite(fd, first, offset)
     print(json.dumps({"size_at_commit": os.fstat(fd).st_size}), flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 
-os.pwritev = torn_pwritev
+def torn_pwritev(fd, buffers, offset):  # buffered appends: the header and part of the payload, then die
+    torn(fd, bytes(buffers[0]) + bytes(buffers[1])[:5000], offset)
+
+def torn_pwrite(fd, data, offset):  # O_DIRECT appends (one aligned write): the header page and one more
+    torn(fd, memoryview(data)[:8192], offset)
+
+os.pwritev, os.pwrite = torn_pwritev, torn_pwrite
 put(tier, 5, nbytes)
 print("survived", flush=True)
 """

@@ -1,0 +1,118 @@
+"""O_DIRECT read-ahead: a multi-block load is served from reads started before it asked, and every
+byte is still verified; anything out of step falls back to reading alone."""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from kvstore.checksum import layer_checksums
+from kvstore.tiers import direct_io, disk as disk_module
+from kvstore.tiers.base import BlockMeta
+from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.read_ahead import ReadAhead, Record
+
+LAYERS = 4
+NBYTES = LAYERS * 3001  # unaligned on purpose
+
+
+def key(i: int) -> bytes:
+    return bytes([i + 1]) * 32
+
+
+@pytest.fixture
+def tier(tmp_path):
+    tier = DiskTier(str(tmp_path / "disk"), 1 << 26, direct_io=True)
+    rng = np.random.default_rng(5)
+    tier.payloads = [rng.integers(0, 256, NBYTES, dtype=np.uint8) for _ in range(6)]
+    for i, payload in enumerate(tier.payloads):
+        assert tier.write(key(i), payload, BlockMeta(NBYTES, LAYERS, layer_checksums(payload, LAYERS)))
+    tier.flush()
+    if tier._active.direct_fd is None:
+        pytest.skip("this file system has no O_DIRECT")
+    yield tier
+    tier.close()
+
+
+@pytest.fixture
+def no_lone_reads(monkeypatch):
+    """Reading a record alone fails: whatever succeeds came from the read-ahead."""
+    def refuse(*args):
+        raise AssertionError("read alone, not from the read-ahead")
+    monkeypatch.setattr(disk_module, "read_record_direct", refuse)
+
+
+def test_a_prefetched_run_is_served_from_the_read_ahead_byte_exact(tier, no_lone_reads):
+    tier.prefetch([key(i) for i in range(6)])
+    for i, payload in enumerate(tier.payloads):
+        dst = np.empty(NBYTES, np.uint8)
+        assert tier.read(key(i), dst) and np.array_equal(dst, payload)
+    assert tier._runs.run is None, "an exhausted run is ended"
+
+
+def test_reads_out_of_order_or_by_layer_end_the_run_and_stay_exact(tier):
+    tier.prefetch([key(i) for i in range(6)])
+    dst = np.empty(NBYTES, np.uint8)
+    assert tier.read(key(3), dst) and np.array_equal(dst, tier.payloads[3])  # not the next: read alone
+    assert tier._runs.run is None
+    tier.prefetch([key(i) for i in range(6)])
+    layer = np.empty(NBYTES // LAYERS, np.uint8)
+    assert tier.read(key(0), layer, first_layer=2, num_layers=1)
+    assert np.array_equal(layer, tier.payloads[0][2 * 3001 : 3 * 3001]) and tier._runs.run is None
+    for i in (0, 1):
+        assert tier.read(key(i), dst) and np.array_equal(dst, tier.payloads[i])
+
+
+def test_a_corrupt_record_read_ahead_is_a_miss_and_the_rest_still_verify(tier, no_lone_reads):
+    entry = tier._index[key(2)]
+    with open(tier._segments[entry.segment].path, "r+b") as f:
+        f.seek(entry.offset + 4096 + 5000)
+        byte = f.read(1)
+        f.seek(entry.offset + 4096 + 5000)
+        f.write(bytes([byte[0] ^ 0x10]))
+    tier.prefetch([key(i) for i in range(6)])
+    results = []
+    for i in range(6):
+        dst = np.zeros(NBYTES, np.uint8)
+        ok = tier.read(key(i), dst)
+        results.append(ok)
+        assert np.array_equal(dst, tier.payloads[i]) if ok else not dst.any(), "no unverified byte reaches dst"
+    assert results == [True, True, False, True, True, True]
+    assert tier.stats().checksum_failures == 1 and not tier.contains(key(2))
+
+
+def test_a_record_rewritten_elsewhere_after_the_prefetch_is_read_where_it_now_is(tier):
+    tier.prefetch([key(i) for i in range(6)])
+    assert tier.remove(key(1))
+    payload = tier.payloads[1]
+    assert tier.write(key(1), payload, BlockMeta(NBYTES, LAYERS, layer_checksums(payload, LAYERS)))
+    for i in range(6):
+        dst = np.empty(NBYTES, np.uint8)
+        assert tier.read(key(i), dst) and np.array_equal(dst, tier.payloads[i])
+    assert tier.stats().checksum_failures == 0
+
+
+def test_close_waits_for_reads_in_flight_and_take_refuses_other_records(tmp_path):
+    path = str(tmp_path / "f.bin")
+    data = np.random.default_rng(0).integers(0, 256, 8 * 4096, dtype=np.uint8)
+    data.tofile(path)
+    fd = direct_io.open_direct(path)
+    if fd is None:
+        pytest.skip("this file system has no O_DIRECT")
+    try:
+        with ThreadPoolExecutor(1) as reader:
+            run = ReadAhead(reader, [Record(b"a", 1, fd, 0, 8192), Record(b"b", 1, fd, 8192, 16384),
+                                     Record(b"c", 1, fd, 24576, 8192)], depth=2)
+            assert run.take(b"b", 1, 8192) is None and run.take(b"a", 1, 4096) is None
+            first = run.take(b"a", 1, 0)
+            assert np.array_equal(first, data[:8192])
+            assert run.take(b"b", 1, 8192) is None, "one span at a time: done() first"
+            run.done()
+            assert np.array_equal(run.take(b"b", 1, 8192), data[8192:24576])
+            run.close()
+            assert run.exhausted() and run.take(b"c", 1, 24576) is None
+    finally:
+        os.close(fd)
