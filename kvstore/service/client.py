@@ -49,6 +49,7 @@ from kvstore.service import wire
 from kvstore.service.chunk_codec import decode_chunk
 from kvstore.service.chunks import BlockAssembler, check_block_bytes, iter_chunks
 from kvstore.service import security
+from kvstore.service.heap import keep_heap_for_transfers
 from kvstore.service.limits import ServiceLimits
 from kvstore.service.metadata import MetadataInterceptor
 from kvstore.service.shm import SegmentMaps, SlotGrant
@@ -63,6 +64,7 @@ class KVStoreClient:
         """``target``: ``HOST:PORT`` or ``unix:PATH``. ``timeout_s`` bounds every call (None: no bound);
         ``limits`` must match the server's (chunk and message sizes). ``token``: the sidecar's bearer
         token (None: from the environment, if set there); ``root_certificates``: PEM roots for TLS."""
+        keep_heap_for_transfers()  # Get's messages and gRPC's read buffers: no page faults per transfer
         options = limits.channel_options()
         root_certificates = root_certificates if root_certificates is not None else _ca_from_env()
         if root_certificates is not None:

@@ -30,6 +30,7 @@ from grpc_reflection.v1alpha import reflection
 from kvstore.config import StoreConfig
 from kvstore.errors import InvalidRequest
 from kvstore.service import security
+from kvstore.service.heap import keep_heap_for_transfers
 from kvstore.service.config import HTTP_OFF, ServeConfig
 from kvstore.service.limits import ServiceLimits
 from kvstore.service.metrics import ServiceMetrics
@@ -78,6 +79,7 @@ async def serve(config: ServeConfig, store_config: StoreConfig, ready: Callable[
                 http_ready: Callable[[str], None] = print) -> None:
     """Serve one store until SIGTERM or SIGINT; ``ready`` gets the bound gRPC address once
     listening, ``http_ready`` the dashboard's URL (not called when HTTP is off)."""
+    keep_heap_for_transfers()
     token = security.load_token(config.token, config.token_file)
     tls = security.read_tls(config.tls_cert, config.tls_key)
     security.check_exposure("--address", config.address, token, tls is not None, config.allow_plaintext)
