@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from kvstore.errors import InvalidRequest
+from kvstore.policies import DEFAULT_POLICY
 from kvstore.replay import TierSplit, default_capacities, replay, sweep
 from kvstore.replay_report import format_summary, format_sweep, parse_count
 from kvstore.trace import TraceRequest, write_trace
@@ -103,7 +104,7 @@ def test_cli_replay_json_has_the_documented_keys(tmp_path):
     out = json.loads(done.stdout)
     for key in ("hit_rate", "max_hit_rate", "fraction_of_max", "optimal_hit_rate", "policy", "capacity_tokens"):
         assert key in out
-    assert out["capacity_tokens"] == 2000 and out["policy"] == "reuse_arc" and 0 < out["hit_rate"] <= out["max_hit_rate"]
+    assert out["capacity_tokens"] == 2000 and out["policy"] == DEFAULT_POLICY and 0 < out["hit_rate"] <= out["max_hit_rate"]
 
 
 def test_cli_sweep_writes_a_png(tmp_path):
