@@ -4,6 +4,7 @@ from kvstore.policies import HitDensityPolicy
 from kvstore.replay import replay
 from kvstore.synthetic_traces import multi_turn_chat
 from kvstore.trace import TraceRequest
+from tests.kvstore.policies.flood import document_among_one_offs
 
 
 def k(i: int) -> bytes:
@@ -35,14 +36,7 @@ def test_it_learns_that_a_re_read_document_is_worth_more_than_one_off_prompts():
     """Every 4th request re-reads a 16-block document; the others are one-off 4-block prompts.
     With 12 slots LRU evicts the document between reads; HitDensity learns to keep it (ReuseARC,
     built for this pattern, keeps it more often: 1,022 blocks hit against 768 here)."""
-    trace, fresh = [], 1000
-    for i in range(600):
-        if i % 4 == 0:
-            ids = tuple(range(16))
-        else:
-            ids = tuple(range(fresh, fresh + 4))
-            fresh += 4
-        trace.append(TraceRequest(float(i), len(ids) * 512, 0, ids))
+    trace = document_among_one_offs(600, document_blocks=16, one_off_blocks=4)
     lru = replay(trace, 12 * 512, "lru", with_optimal=False)
     density = replay(trace, 12 * 512, "hit_density", with_optimal=False)
     assert lru.hit_tokens == 0

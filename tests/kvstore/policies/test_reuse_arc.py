@@ -2,7 +2,7 @@
 
 from kvstore.policies import ReuseARCPolicy
 from kvstore.replay import replay
-from kvstore.trace import TraceRequest
+from tests.kvstore.policies.flood import document_among_one_offs
 
 
 def k(i: int) -> bytes:
@@ -63,14 +63,7 @@ def test_chain_tails_still_go_before_heads():
 def test_on_a_flood_of_one_off_prompts_the_hot_prefix_survives_where_lru_loses_it():
     """Every 4th request re-reads an 8-block document; the others are one-off 8-block prompts.
     With 12 slots LRU keeps evicting the document; ReuseARC keeps it once it has been used twice."""
-    trace, fresh = [], 1000
-    for i in range(200):
-        if i % 4 == 0:
-            ids = tuple(range(8))
-        else:
-            ids = tuple(range(fresh, fresh + 8))
-            fresh += 8
-        trace.append(TraceRequest(float(i), 8 * 512, 0, ids))
+    trace = document_among_one_offs(200, document_blocks=8, one_off_blocks=8)
     lru = replay(trace, 12 * 512, "lru", with_optimal=False)
     arc = replay(trace, 12 * 512, "reuse_arc", with_optimal=False)
     assert lru.hit_tokens == 0
