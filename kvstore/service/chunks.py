@@ -51,6 +51,7 @@ class BlockAssembler:
         self.what = what
         self.received = 0
         self._buffers = list(buffers) if buffers is not None else []
+        self._buffers_given = buffers is not None
 
     @property
     def total_bytes(self) -> int:
@@ -72,6 +73,17 @@ class BlockAssembler:
             self._buffers.append(np.empty(self.block_bytes, np.uint8))
         self._buffers[block_index][offset : offset + len(data)] = np.frombuffer(data, np.uint8)
         self.received += len(data)
+
+    def extend(self, more_blocks: int) -> None:
+        """Expect ``more_blocks`` more blocks (a streamed Get's next header). The blocks announced
+        so far must be complete, and buffers given up front must cover the new ones."""
+        if self.received != self.total_bytes:
+            raise InvalidRequest(f"{self.what}: a header arrived before the {self.num_blocks} blocks announced "
+                                 f"were complete")
+        if self._buffers_given and self.num_blocks + more_blocks > len(self._buffers):
+            raise InvalidRequest(f"{self.what}: {self.num_blocks + more_blocks} blocks announced for "
+                                 f"{len(self._buffers)} requested")
+        self.num_blocks += more_blocks
 
     def finish(self) -> list[np.ndarray]:
         if self.received != self.total_bytes:

@@ -111,18 +111,22 @@ class KVStoreClient:
             raise InvalidRequest(f"{len(block_hashes)} block hashes but {len(dsts)} destination buffers")
         views = [byte_view(d, writable=True) for d in dsts]
         request = pb.GetRequest(namespace_id=ns_id, block_hashes=block_hashes, lease_id=lease_id,
-                                block_bytes=_one_size(views, "destination buffers"))
+                                block_bytes=_one_size(views, "destination buffers"), stream_as_loaded=True)
         stream = self._get_raw(request, timeout=self._timeout)
         header = pb.GetResponse.FromString(next(stream)).header
         assembler = BlockAssembler(len(header.tiers), header.block_bytes, self._limits.max_chunk_bytes,
                                    buffers=views, what="Get stream")
-        for message in stream:
+        tiers = list(header.tiers)
+        for message in stream:  # a header per group of blocks, each followed by their chunks
             chunk = decode_chunk(message)
             if chunk is None:
-                raise InvalidRequest("Get stream: a second header where a chunk belongs")
+                more = pb.GetResponse.FromString(message).header.tiers
+                assembler.extend(len(more))
+                tiers += more
+                continue
             assembler.add(*chunk)
         assembler.finish()
-        return LoadResult(header.requested_blocks, tuple(header.tiers), len(header.tiers) * header.block_bytes)
+        return LoadResult(len(block_hashes), tuple(tiers), len(tiers) * header.block_bytes)
 
     def get_slots(self, ns_id: bytes, block_hashes: Sequence[bytes], lease_ttl_s: float = 30.0) -> SlotGrant:
         """Lease the hit and locate its leading host-tier blocks; the caller must ``release`` the lease."""

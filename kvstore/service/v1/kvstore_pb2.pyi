@@ -87,18 +87,20 @@ class LookupResponse(_message.Message):
     def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., tiers: _Optional[_Iterable[str]] = ..., lease_id: _Optional[int] = ..., lease_refused: bool = ...) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("namespace_id", "block_hashes", "lease_id", "chunk_bytes", "block_bytes")
+    __slots__ = ("namespace_id", "block_hashes", "lease_id", "chunk_bytes", "block_bytes", "stream_as_loaded")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STREAM_AS_LOADED_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     lease_id: int
     chunk_bytes: int
     block_bytes: int
-    def __init__(self, namespace_id: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., lease_id: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., block_bytes: _Optional[int] = ...) -> None: ...
+    stream_as_loaded: bool
+    def __init__(self, namespace_id: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., lease_id: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., block_bytes: _Optional[int] = ..., stream_as_loaded: bool = ...) -> None: ...
 
 class GetHeader(_message.Message):
     __slots__ = ("requested_blocks", "tiers", "block_bytes")

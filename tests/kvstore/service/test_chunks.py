@@ -73,3 +73,17 @@ def test_limits_are_validated_and_name_themselves():
     with pytest.raises(LimitExceeded, match="33 blocks in one call exceed max_transfer_blocks=32"):
         ServiceLimits().check_blocks("max_transfer_blocks", 33)
     assert ServiceLimits().chunk_bytes(0) == 1 << 20 and ServiceLimits().chunk_bytes(4 << 20) == 1 << 20
+
+
+def test_a_streamed_get_extends_the_blocks_once_the_announced_ones_are_complete():
+    dsts = [np.zeros(8, np.uint8) for _ in range(3)]
+    assembler = BlockAssembler(1, 8, 8, buffers=dsts, what="Get stream")
+    with pytest.raises(InvalidRequest, match="before the 1 blocks announced were complete"):
+        assembler.extend(1)
+    assembler.add(0, 0, b"a" * 8)
+    assembler.extend(2)
+    assembler.add(1, 0, b"b" * 8)
+    assembler.add(2, 0, b"c" * 8)
+    assert [d.tobytes() for d in assembler.finish()] == [b"a" * 8, b"b" * 8, b"c" * 8]
+    with pytest.raises(InvalidRequest, match="4 blocks announced for 3 requested"):
+        assembler.extend(1)

@@ -20,6 +20,7 @@ from kvstore.errors import InvalidRequest
 from kvstore.keys import Namespace, namespace_hashes
 from kvstore.layout import DEEPSEEK_NUM_LAYERS, DEEPSEEK_V32_COMPONENTS, BlockSpec
 from kvstore.results import PutResult
+from kvstore.service import servicer as servicer_module
 from kvstore.service.client import KVStoreClient
 from kvstore.service.limits import ServiceLimits
 from kvstore.service.server import create_server
@@ -91,6 +92,24 @@ def test_realistic_v32_block_streams_in_bounded_chunks(client, stub):
         assert [len(c.data) for c in chunks] == expected, "chunks never exceed max_chunk_bytes (1 MiB)"
         assert [c.offset for c in chunks] == list(np.cumsum([0] + expected[:-1]))
         assert b"".join(c.data for c in chunks) == payload.tobytes()
+
+
+def test_a_streamed_get_sends_each_group_as_it_is_loaded_and_stops_at_a_miss(client, stub, namespace, spec, chain,
+                                                                             monkeypatch):
+    monkeypatch.setattr(servicer_module, "STREAM_GROUP_BYTES", 2 * spec.block_bytes)  # groups of 2 blocks
+    ns_id = client.register_namespace(namespace)
+    payloads = payloads_for(spec, chain[:5])
+    assert client.put(ns_id, chain[:5], payloads).stored == 5
+    request = pb.GetRequest(namespace_id=ns_id, block_hashes=chain[:8], stream_as_loaded=True)
+    messages = list(stub.Get(request))
+    headers = [m.header for m in messages if m.WhichOneof("kind") == "header"]
+    assert [list(h.tiers) for h in headers] == [["host"] * 2, ["host"] * 2, ["host"]], "the 4th group is not tried"
+    chunks = [m.chunk for m in messages if m.WhichOneof("kind") == "chunk"]
+    assert [c.block_index for c in chunks] == [0, 1, 2, 3, 4]
+    assert [m.WhichOneof("kind") for m in messages][:4] == ["header", "chunk", "chunk", "header"]
+    dsts = [np.zeros(spec.block_bytes, np.uint8) for _ in range(8)]
+    assert client.load(ns_id, chain[:8], dsts).tiers == ("host",) * 5
+    assert all(np.array_equal(d, p) for d, p in zip(dsts, payloads)) and not any(d.any() for d in dsts[5:])
 
 
 def test_register_by_fields_or_json_gives_the_namespace_id(stub):
