@@ -3,25 +3,30 @@
 A multi-block load reads records one after another, and after each read the caller verifies the
 checksums and copies the bytes out. Read synchronously, the device idles during that work; the
 kernel's readahead, which overlaps it for buffered reads, does nothing for O_DIRECT. A
-``ReadAhead`` keeps up to ``depth`` record reads in flight on a reader thread, each into its own
+``ReadAhead`` keeps up to ``depth`` reads in flight on a reader thread, each into its own
 page-aligned buffer, in the order the caller will ask for them::
 
     run = ReadAhead(reader, [Record(key, segment, fd, offset, length), ...], depth=2)
-    span = run.take(key, segment, offset)   # the next record's bytes, read while the previous one was being copied
+    span = run.take(key, segment, offset)   # read while the previous record was being copied
     ...verify, copy out...
-    run.done()             # its buffer goes to the next read in the run
+    run.done()             # the record's bytes are no longer needed
     run.close()            # waits for reads in flight; unread records are dropped
 
-Reads complete in order; ``take`` of a key that is not the next in the run returns None (the
+Records that lie back to back in one file (a chain written in one go) are read together, up to
+``span_bytes`` per read: fewer, larger requests, like the ``dd``-style ceiling's, and fewer
+hand-offs between the reader thread and the caller (each of which waits for the GIL).
+
+Reads complete in order; ``take`` of a record that is not the next in the run returns None (the
 caller reads that one itself). A read error surfaces as the ``OSError`` of ``take``. Buffers
-belong to the run: a span is valid until ``done()``. Mechanism only: what to read ahead is the
-disk tier's business.
+belong to the run: a record's bytes are valid until its ``done()``. Mechanism only: what to read
+ahead is the disk tier's business.
 """
 
 from __future__ import annotations
 
 import collections
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -29,6 +34,7 @@ import numpy as np
 from kvstore.tiers.direct_io import aligned_buffer, read_direct_into
 
 DEFAULT_DEPTH = 2
+DEFAULT_SPAN_BYTES = 8 << 20
 
 
 class Record(NamedTuple):
@@ -36,21 +42,35 @@ class Record(NamedTuple):
     segment: int  # the segment's id: with ``offset``, which record this is
     fd: int  # an O_DIRECT descriptor that stays open for the run (its segment is referenced)
     offset: int  # ALIGN-aligned
-    length: int
+    length: int  # ALIGN-aligned
+
+
+@dataclass
+class _Span:
+    """Adjacent records of one file, read with one request into ``buffer``."""
+
+    records: list[Record]
+    buffer: np.ndarray | None = None
+    future: Future | None = None
+    next: int = 0  # records[next] is the next one to take
+
+    @property
+    def nbytes(self) -> int:
+        return self.records[-1].offset + self.records[-1].length - self.records[0].offset
 
 
 class ReadAhead:
     def __init__(self, reader: ThreadPoolExecutor, records: list[Record], depth: int = DEFAULT_DEPTH,
-                 owners: tuple = ()):
-        """Start reading the first ``depth`` of ``records``. ``owners`` are kept referenced until
-        ``close`` (the segments whose descriptors the records name)."""
+                 owners: tuple = (), span_bytes: int = DEFAULT_SPAN_BYTES):
+        """Start reading the first ``depth`` spans of ``records``. ``owners`` are kept referenced
+        until ``close`` (the segments whose descriptors the records name)."""
         self._reader = reader
-        self._pending = collections.deque(records)
+        self._pending = collections.deque(_spans(records, span_bytes))
         self._owners = owners
-        size = max((r.length for r in records), default=0)
-        self._free = [aligned_buffer(size) for _ in range(min(depth, len(records)))]
-        self._inflight: collections.deque[tuple[Record, np.ndarray, Future]] = collections.deque()
-        self._taken: np.ndarray | None = None
+        size = max((s.nbytes for s in self._pending), default=0)
+        self._free = [aligned_buffer(size) for _ in range(min(depth, len(self._pending)))]
+        self._inflight: collections.deque[_Span] = collections.deque()
+        self._taken = False
         self._fill()
 
     def exhausted(self) -> bool:
@@ -59,40 +79,63 @@ class ReadAhead:
     def take(self, key: bytes, segment: int, offset: int) -> np.ndarray | None:
         """The bytes of ``key``'s record at ``segment``, ``offset`` (a view, valid until ``done``)
         when it is the next in the run, else None. Raises the read's OSError; a short read gives a
-        shorter span."""
-        if self._taken is not None or not self._inflight:
+        shorter view."""
+        if self._taken or not self._inflight:
             return None
-        record = self._inflight[0][0]
+        span = self._inflight[0]
+        record = span.records[span.next]
         if (record.key, record.segment, record.offset) != (key, segment, offset):
             return None
-        record, buffer, future = self._inflight.popleft()
-        self._taken = buffer
-        return buffer[: future.result()]
+        got = span.future.result()
+        start = record.offset - span.records[0].offset
+        self._taken = True
+        return span.buffer[start : min(start + record.length, max(got, start))]
 
     def done(self) -> None:
-        """The span from the last ``take`` is no longer used: read the next record into it."""
-        if self._taken is not None:
-            self._free.append(self._taken)
-            self._taken = None
+        """The record from the last ``take`` is no longer used; a span whose records are all done
+        gives its buffer to the next read."""
+        if not self._taken:
+            return
+        self._taken = False
+        span = self._inflight[0]
+        span.next += 1
+        if span.next == len(span.records):
+            self._inflight.popleft()
+            self._free.append(span.buffer)
             self._fill()
 
     def close(self) -> None:
         """Stop: wait for the reads in flight (their buffers are being written), drop the rest."""
         self._pending.clear()
-        for _, _, future in self._inflight:
-            if not future.cancel():
+        for span in self._inflight:
+            if not span.future.cancel():
                 try:
-                    future.result()
+                    span.future.result()
                 except OSError:
                     pass
         self._inflight.clear()
         self._free.clear()
-        self._taken = None
+        self._taken = False
         self._owners = ()
 
     def _fill(self) -> None:
         while self._free and self._pending:
-            record, buffer = self._pending.popleft(), self._free.pop()
-            span = buffer[: record.length]
-            self._inflight.append((record, buffer, self._reader.submit(read_direct_into, record.fd, record.offset, span)))
+            span = self._pending.popleft()
+            span.buffer = self._free.pop()
+            first = span.records[0]
+            span.future = self._reader.submit(read_direct_into, first.fd, first.offset, span.buffer[: span.nbytes])
+            self._inflight.append(span)
 
+
+def _spans(records: list[Record], span_bytes: int) -> list[_Span]:
+    """``records`` in order, grouped into runs that lie back to back in one file, each at most
+    ``span_bytes`` (or one record, if larger)."""
+    spans: list[_Span] = []
+    for record in records:
+        last = spans[-1].records[-1] if spans else None
+        if (last is not None and last.fd == record.fd and last.offset + last.length == record.offset
+                and spans[-1].nbytes + record.length <= span_bytes):
+            spans[-1].records.append(record)
+        else:
+            spans.append(_Span([record]))
+    return spans

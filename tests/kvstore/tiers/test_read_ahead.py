@@ -116,3 +116,14 @@ def test_close_waits_for_reads_in_flight_and_take_refuses_other_records(tmp_path
             assert run.exhausted() and run.take(b"c", 1, 24576) is None
     finally:
         os.close(fd)
+
+
+def test_records_back_to_back_in_one_file_are_read_together_up_to_the_span_size():
+    from kvstore.tiers.read_ahead import _spans
+
+    records = [Record(b"a", 1, 7, 0, 4096), Record(b"b", 1, 7, 4096, 8192), Record(b"c", 1, 7, 12288, 4096),
+               Record(b"d", 1, 7, 20480, 4096),  # a hole before it
+               Record(b"e", 2, 8, 24576, 4096)]  # another file
+    assert [[r.key for r in s.records] for s in _spans(records, 1 << 20)] == [[b"a", b"b", b"c"], [b"d"], [b"e"]]
+    assert [[r.key for r in s.records] for s in _spans(records, 12288)] == [[b"a", b"b"], [b"c"], [b"d"], [b"e"]]
+    assert [s.nbytes for s in _spans(records, 4096)] == [4096, 8192, 4096, 4096, 4096]  # one record may exceed it
