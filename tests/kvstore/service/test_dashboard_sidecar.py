@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import threading
+import time
 
 import httpx
 import pytest
@@ -16,6 +17,20 @@ from kvstore.service.local import LocalSidecar
 CHROMIUM = "/usr/bin/chromium"
 sync_api = pytest.importorskip("playwright.sync_api", reason="the browser test needs the playwright package")
 pytestmark = pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"the browser test needs Chromium at {CHROMIUM}")
+
+
+def settled_summary(url: str, polls: int = 60) -> dict:
+    """/api/summary once its counts stop moving: engines report prefill on a background thread, so
+    reports can land after the demo returns."""
+    last = None
+    for _ in range(polls):
+        summary = httpx.get(url + "api/summary", timeout=10).json()
+        counts = (summary["hit_rate"], summary["prefill_tokens_saved"])
+        if counts == last and summary["prefill_tokens_saved"] > 0:
+            return summary
+        last = counts
+        time.sleep(0.5)
+    pytest.fail(f"the sidecar's counts kept moving for {polls * 0.5:.0f} s after the demo ended: {last}")
 
 
 def test_the_sidecar_dashboard_shows_the_demo_traffic_live(tmp_path):
@@ -34,11 +49,10 @@ def test_the_sidecar_dashboard_shows_the_demo_traffic_live(tmp_path):
         demo.join(240)
         assert not demo.is_alive()
 
-        page.wait_for_function("Number(document.querySelector('[data-metric=prefill_saved]').dataset.value) > 0",
-                               timeout=15_000)
-        summary = httpx.get(sidecar.url + "api/summary", timeout=10).json()
+        summary = settled_summary(sidecar.url)
         page.wait_for_function(f"document.querySelector('[data-metric=hit_rate]').dataset.value == "
-                               f"'{summary['hit_rate']}'", timeout=15_000)
+                               f"'{summary['hit_rate']}' && document.querySelector('[data-metric=prefill_saved]')"
+                               f".dataset.value == '{summary['prefill_tokens_saved']}'", timeout=15_000)
         assert 0 < summary["hit_rate"] < 1 and summary["prefill_tokens_saved"] > 0
         assert page.locator('[data-metric="prefill_saved"]').get_attribute("data-value") == \
             str(summary["prefill_tokens_saved"])
