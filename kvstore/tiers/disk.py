@@ -4,10 +4,13 @@
     DIR/index/                      RocksDB: b"b" + key -> entry, b"m/tail" -> active tail
 
 Why the bytes are not in RocksDB: blob reads through it measured 0.74 GB/s here against
-6.7 GB/s for ``preadv`` into the destination buffer (DESIGN.md section 7). Reads go straight
-into the caller's buffer with one ``preadv`` (header page + payload) and every layer read is
-verified against the checksums in the record header: a mismatch is a miss, the entry is
-dropped and counted, and nothing wrong is ever served.
+6.7 GB/s for ``preadv`` into the destination buffer (DESIGN.md section 7). I/O is O_DIRECT by
+default (``direct_io``), reads and appends alike, never mixed with buffered I/O on the same files:
+a record is read (header page + payload, read ahead over multi-block loads: ``read_ahead``) into
+an aligned buffer, every layer read is verified against the checksums in the record header, and
+only then copied to the caller. A mismatch is a miss, the entry is dropped and counted, and
+nothing wrong is ever served. Buffered (``direct_io=False``), reads go straight into the
+caller's buffer and are verified there.
 
 Crash safety: a record's bytes are written before its index entry, in the same order every
 time. On open, the active segment is cut back to the last committed tail (a partly written
