@@ -5,6 +5,7 @@ environment, the environment overrides defaults)::
 
     KVSTORE_HOST_CAPACITY=4GiB      host tier bytes ("0" disables the tier; default: auto)
     KVSTORE_SHM_DIR=/dev/shm        where the host tier's shared-memory segment lives (default /dev/shm)
+    KVSTORE_HOST_PAGE_BYTES=64MiB   the host tier's allocation unit (slabs of one block size each)
     KVSTORE_DISK_PATH=/var/lib/kvstore
     KVSTORE_DISK_CAPACITY=200GiB    disk tier bytes ("0" disables it; default: auto)
     KVSTORE_DURABLE=1               acknowledge a disk write only after fsync
@@ -125,6 +126,8 @@ class StoreConfig:
             host.capacity_bytes = parse_size(env["HOST_CAPACITY"])
         if "SHM_DIR" in env:
             host.shm_dir = env["SHM_DIR"]
+        if "HOST_PAGE_BYTES" in env:
+            host.page_bytes = parse_size(env["HOST_PAGE_BYTES"])
         if "DISK_PATH" in env:
             disk.path = env["DISK_PATH"]
         if "DISK_CAPACITY" in env:

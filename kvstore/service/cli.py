@@ -50,6 +50,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--durable-puts", action="store_const", const=True,
                         help="answer a put only once it is fsynced to the disk tier")
     parser.add_argument("--shutdown-grace-s", type=float, help="seconds in-flight calls get after SIGTERM (default 10)")
+    parser.add_argument("--check-integrity-on-exit", action="store_const", const=True,
+                        help="after a graceful shutdown, check that every tier's books agree with the store's "
+                        "(exit status 3 if not); for staging and load tests")
     parser.set_defaults(func=cmd_serve)
 
 
@@ -75,15 +78,22 @@ def store_config(args: argparse.Namespace, environ=None) -> StoreConfig:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from kvstore.service.server import serve  # grpc loads only for this command
+    from kvstore.service.server import IntegrityCheckFailed, serve  # grpc loads only for this command
 
     environ = layered_environment(args.config)
     staging = parse_size(args.staging_capacity) if args.staging_capacity is not None else None
     config = ServeConfig.from_env(environ, address=args.address, http_address=args.http_address, token_file=args.token_file,
                                   tls_cert=args.tls_cert, tls_key=args.tls_key, allow_plaintext=args.allow_plaintext,
                                   protect_metrics=args.protect_metrics, durable_puts=args.durable_puts,
-                                  staging_bytes=staging, shutdown_grace_s=args.shutdown_grace_s)
-    asyncio.run(serve(config, store_config(args, environ), _announce, _announce_http))
+                                  staging_bytes=staging, shutdown_grace_s=args.shutdown_grace_s,
+                                  check_integrity_on_exit=args.check_integrity_on_exit)
+    try:
+        asyncio.run(serve(config, store_config(args, environ), _announce, _announce_http))
+    except IntegrityCheckFailed as exc:
+        print(f"kvstore serve: {exc}", file=sys.stderr, flush=True)
+        return 3
+    if config.check_integrity_on_exit:
+        print("kvstore serve: integrity check passed", flush=True)
     return 0
 
 

@@ -35,7 +35,7 @@ DEFAULT_HTTP_ADDRESS = "127.0.0.1:50552"
 HTTP_OFF = "off"
 
 _STRINGS = ("address", "http_address", "token", "token_file", "tls_cert", "tls_key")
-_BOOLS = ("allow_plaintext", "protect_metrics", "durable_puts")
+_BOOLS = ("allow_plaintext", "protect_metrics", "durable_puts", "check_integrity_on_exit")
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,7 @@ class ServeConfig:
     staging_bytes: int = DEFAULT_STAGING_BYTES
     durable_puts: bool = False
     shutdown_grace_s: float = 10.0
+    check_integrity_on_exit: bool = False  # after a graceful shutdown: IntegrityCheckFailed if the books disagree
     limits: ServiceLimits = field(default_factory=ServiceLimits)
 
     def __post_init__(self) -> None:

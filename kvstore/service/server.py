@@ -127,7 +127,23 @@ async def serve(config: ServeConfig, store_config: StoreConfig, ready: Callable[
             await http.stop()
         if staging is not None:
             staging.close()
-        store.close()
+        try:
+            if config.check_integrity_on_exit:
+                _check_integrity(store)
+        finally:
+            store.close()
+
+
+class IntegrityCheckFailed(Exception):
+    """``check_integrity_on_exit`` found books that disagree (a store bug)."""
+
+
+def _check_integrity(store) -> None:
+    store.flush()
+    try:
+        store.check_integrity()
+    except AssertionError as exc:
+        raise IntegrityCheckFailed(f"integrity check failed at shutdown: {exc}") from exc
 
 
 async def _signalled(*signals: signal.Signals) -> None:

@@ -17,7 +17,6 @@ import numpy as np
 
 from kvstore.keys import namespace_hashes
 from kvstore.service.client import KVStoreClient
-from kvstore.service.staging import StagingArea
 from kvstore.service.v1 import kvstore_pb2 as pb
 from kvstore.service.v1.kvstore_pb2_grpc import KVStoreStub
 from tests.conftest import payloads_for
@@ -118,12 +117,15 @@ def test_a_client_that_dies_holding_a_lease_pins_its_blocks_only_until_the_ttl(m
     assert store.lookup(ns_id, chain[:5]).hit_blocks == 0, "once the lease expired the blocks were evictable"
 
 
-def test_several_client_processes_at_once_see_only_right_bytes_and_integrity_holds(make_store, start_server, tmp_path):
-    store = make_store(host_bytes=1 << 20, disk_bytes=4 << 20, page_bytes=64 << 10)
-    staging = StagingArea(1 << 20, shm_dir=str(tmp_path), page_bytes=64 << 10)
-    server = start_server(store, staging=staging)
+def test_several_client_processes_at_once_see_only_right_bytes_and_integrity_holds(tmp_path):
+    """A real ``kvstore serve`` process with small tiers (evictions, demotions, staging all busy),
+    several client processes of mixed traffic; the sidecar checks its books at shutdown."""
+    process, address, _ = start_serving(
+        "--address", "127.0.0.1:0", "--data-dir", str(tmp_path), "--host-capacity", "1MiB", "--disk-capacity", "4MiB",
+        "--staging-capacity", "1MiB", "--check-integrity-on-exit", "--http-address", "off",
+        env={"KVSTORE_SHM_DIR": str(tmp_path), "KVSTORE_HOST_PAGE_BYTES": "64KiB"})
     try:
-        workers = [subprocess.Popen([sys.executable, "-m", "tests.kvstore.service.load_worker", server.target, str(seed),
+        workers = [subprocess.Popen([sys.executable, "-m", "tests.kvstore.service.load_worker", address, str(seed),
                                      str(LOAD_SECONDS)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                     cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}) for seed in range(WORKERS)]
         reports = []
@@ -131,15 +133,16 @@ def test_several_client_processes_at_once_see_only_right_bytes_and_integrity_hol
             out, err = worker.communicate(timeout=120)
             assert worker.returncode == 0, err
             reports.append(json.loads(out))
+        with KVStoreClient(address, timeout_s=30) as client:
+            stats = {t.name: t for t in client.stats().tiers}
     finally:
-        staging.close()
+        process.send_signal(signal.SIGTERM)
+        out, err = process.communicate(timeout=60)
     assert sum(r["mismatches"] for r in reports) == 0
     for report in reports:
         assert set(report["errors"]) <= {"RESOURCE_EXHAUSTED"}, report["errors"]  # backpressure only
         assert sum(report["ops"].values()) > 20, report
         assert report["ops"].get("load_shm", 0) and report["ops"].get("put_shm", 0)
-    stats = store.stats()
-    assert stats.tier("host").evictions > 0, "the load was large enough to evict"
-    assert stats.tier("host").loaded_blocks > 0 and stats.stored_blocks > 0
-    store.flush()
-    store.check_integrity()
+    assert stats["host"].evictions > 0, "the load was large enough to evict"
+    assert stats["host"].loaded_blocks > 0 and stats["disk"].bytes_written > 0
+    assert process.returncode == 0 and "integrity check passed" in out, err

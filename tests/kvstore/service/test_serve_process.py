@@ -77,3 +77,17 @@ def test_serve_refuses_a_bad_address_with_a_message(tmp_path):
                           capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": REPO})
     assert done.returncode == 2
     assert "address must be HOST:PORT or unix:PATH, got 'nonsense'" in done.stderr
+
+
+def test_an_integrity_failure_at_shutdown_is_named(make_store, monkeypatch):
+    from kvstore.service.server import IntegrityCheckFailed, _check_integrity
+
+    store = make_store(host_bytes=1 << 20, page_bytes=64 << 10)
+
+    def disagree():
+        raise AssertionError("host tier: 3 blocks in the directory, 2 in the tier")
+
+    monkeypatch.setattr(store, "check_integrity", disagree)
+    with pytest.raises(IntegrityCheckFailed, match="at shutdown: host tier: 3 blocks"):
+        _check_integrity(store)
+    store.close()
