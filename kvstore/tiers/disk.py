@@ -32,8 +32,6 @@ import shutil
 import struct
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import numpy as np
@@ -43,11 +41,14 @@ from kvstore.checksum import layers_match
 from kvstore.errors import InvalidRequest, StoreClosed
 from kvstore.tiers.base import KEY_BYTES, BlockMeta, Tier, TierStats
 from kvstore.tiers.direct_io import (
-    open_direct, read_direct, read_record_direct, write_record_direct,
+    read_direct, read_record_direct, write_record_direct,
 )
-from kvstore.tiers.read_ahead import ReadAhead, Record
+from kvstore.tiers.disk_files import (
+    IndexEntry, SegmentFile, fsync_directory, newest_records, segment_name, supports_direct, truncate_quietly,
+)
+from kvstore.tiers.read_ahead import ReadAhead, Record, ThreadRuns
 from kvstore.tiers.segment import (
-    HEADER_BYTES, MAX_LAYERS, RecordHeader, footprint, punch_hole, scan_segment, start_writeback,
+    HEADER_BYTES, MAX_LAYERS, RecordHeader, footprint, punch_hole, start_writeback,
 )
 
 log = logging.getLogger(__name__)
@@ -57,63 +58,8 @@ _BLOCK = b"b"
 _TAIL = b"m/tail"
 _FORMAT = b"m/format"
 _FORMAT_VERSION = b"kvstore-disk-1"
-_ENTRY = struct.Struct("<IQQIQ32sB")  # segment, offset, nbytes, num_layers, seq, parent, has_parent
 _TAIL_VALUE = struct.Struct("<IQ")
 _ZEROS = bytes(HEADER_BYTES)
-
-
-@dataclass(slots=True)
-class _Entry:
-    segment: int
-    offset: int
-    nbytes: int
-    num_layers: int
-    seq: int
-    parent: bytes | None
-
-    def encode(self) -> bytes:
-        return _ENTRY.pack(
-            self.segment, self.offset, self.nbytes, self.num_layers, self.seq,
-            self.parent or bytes(32), self.parent is not None,
-        )
-
-    @classmethod
-    def decode(cls, raw: bytes) -> "_Entry":
-        segment, offset, nbytes, num_layers, seq, parent, has_parent = _ENTRY.unpack(raw)
-        return cls(segment, offset, nbytes, num_layers, seq, parent if has_parent else None)
-
-
-class _Segment:
-    """One open segment file. Readers hold a reference while they read, so the descriptor stays
-    valid even if the segment is deleted meanwhile (it closes with the last reference)."""
-
-    def __init__(self, segment_id: int, path: str, direct: bool = False, appends: bool = False):
-        """``direct``: reads (and with ``appends``, writes) use O_DIRECT descriptors."""
-        self.id = segment_id
-        self.path = path
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # buffered I/O, size, holes, fdatasync
-        self.direct_fd = open_direct(path) if direct else None  # None: buffered reads
-        self.write_fd = open_direct(path, writable=True) if direct and appends else None  # None: buffered writes
-        self.live_bytes = 0
-        self.dead_bytes = 0  # removed but not reclaimable (no hole punching)
-        self.dirty = False
-
-    def seal(self) -> None:
-        """No more appends (no longer the active segment): close the O_DIRECT write descriptor."""
-        fd, self.write_fd = self.write_fd, None
-        if fd is not None:
-            os.close(fd)
-
-    def __del__(self) -> None:
-        for name in ("fd", "direct_fd", "write_fd"):
-            fd = getattr(self, name, None)
-            setattr(self, name, None)
-            if fd is not None and fd >= 0:
-                os.close(fd)
-
-
-def _segment_name(segment_id: int) -> str:
-    return f"{segment_id:08d}.seg"
 
 
 class DiskTier(Tier):
@@ -140,14 +86,13 @@ class DiskTier(Tier):
         # to an O_DIRECT append can leave stale pages in the page cache that later buffered reads
         # serve (seen here as records reading back as zeros); checksums caught it, as misses.
         # Where the file system has no O_DIRECT (tmpfs), everything is buffered.
-        self.direct_io = direct_io and _supports_direct(self._segments_dir)
-        self._reader: ThreadPoolExecutor | None = None  # O_DIRECT read-ahead, on demand
+        self.direct_io = direct_io and supports_direct(self._segments_dir)
         self._write_buffers: list[np.ndarray] = []  # two page-aligned records: one assembling, one writing
-        self._runs = threading.local()  # each loading thread's ReadAhead
+        self._runs = ThreadRuns()  # each loading thread's O_DIRECT read-ahead
         self._lock = threading.RLock()
-        self._index: dict[bytes, _Entry] = {}
-        self._segments: dict[int, _Segment] = {}
-        self._active: _Segment | None = None
+        self._index: dict[bytes, IndexEntry] = {}
+        self._segments: dict[int, SegmentFile] = {}
+        self._active: SegmentFile | None = None
         self._tail = 0
         self._seq = 0
         self._write_opt = WriteOptions()
@@ -189,14 +134,14 @@ class DiskTier(Tier):
         self._reclaim_uncovered()
 
     def _load_index(self, on_disk: list[int]) -> None:
-        sizes = {i: os.path.getsize(os.path.join(self._segments_dir, _segment_name(i))) for i in on_disk}
+        sizes = {i: os.path.getsize(os.path.join(self._segments_dir, segment_name(i))) for i in on_disk}
         tail = self._db.get(_TAIL)
         tail_segment, tail_offset = _TAIL_VALUE.unpack(tail) if tail else (0, 0)
         lost = WriteBatch(raw_mode=True)
         for raw_key, raw_value in self._db.items(from_key=_BLOCK):
             if not raw_key.startswith(_BLOCK):
                 break
-            entry = _Entry.decode(raw_value)
+            entry = IndexEntry.decode(raw_value)
             beyond_tail = (entry.segment, entry.offset) >= (tail_segment, tail_offset)
             beyond_eof = entry.offset + footprint(entry.nbytes) > sizes.get(entry.segment, -1)
             if beyond_tail or beyond_eof:  # segment missing or cut short
@@ -211,11 +156,11 @@ class DiskTier(Tier):
             self._db.write(lost)
         for segment_id in on_disk:
             if segment_id > tail_segment:  # created, but nothing in it was ever committed
-                os.unlink(os.path.join(self._segments_dir, _segment_name(segment_id)))
+                os.unlink(os.path.join(self._segments_dir, segment_name(segment_id)))
                 continue
-            path = os.path.join(self._segments_dir, _segment_name(segment_id))
+            path = os.path.join(self._segments_dir, segment_name(segment_id))
             appends = segment_id == tail_segment  # the active segment: writes go on
-            self._segments[segment_id] = _Segment(segment_id, path, self.direct_io, appends)
+            self._segments[segment_id] = SegmentFile(segment_id, path, self.direct_io, appends)
         for entry in self._index.values():
             self._segments[entry.segment].live_bytes += footprint(entry.nbytes)
         if tail_segment in self._segments:
@@ -231,20 +176,10 @@ class DiskTier(Tier):
     def _rebuild_index(self, on_disk: list[int]) -> None:
         """Recreate the index from segment headers, verifying every payload."""
         self._counters["index_rebuilds"] += 1
-        total = sum(os.path.getsize(os.path.join(self._segments_dir, _segment_name(i))) for i in on_disk)
+        total = sum(os.path.getsize(os.path.join(self._segments_dir, segment_name(i))) for i in on_disk)
         advance = self._progress("rebuilding disk index", total) if self._progress else None
         log.warning("disk tier %s: no index, rebuilding from %d segments (%d bytes)", self.path, len(on_disk), total)
-        best: dict[bytes, _Entry] = {}
-        tail = (0, 0)
-        for segment_id in on_disk:
-            path = os.path.join(self._segments_dir, _segment_name(segment_id))
-            for record in scan_segment(path, verify=True, progress=advance):
-                if not record.valid:
-                    continue
-                h = record.header
-                if h.key not in best or best[h.key].seq < h.seq:
-                    best[h.key] = _Entry(segment_id, record.offset, h.nbytes, h.num_layers, h.seq, h.parent)
-                tail = max(tail, (segment_id, record.offset + footprint(h.nbytes)))
+        best, tail = newest_records(self._segments_dir, on_disk, advance)
         batch = WriteBatch(raw_mode=True)
         for key, entry in best.items():
             batch.put(_BLOCK + key, entry.encode())
@@ -309,7 +244,7 @@ class DiskTier(Tier):
                     or os.fstat(self._active.fd).st_nlink == 0):  # deleted behind our back
                 self._roll_segment()
             segment, offset = self._active, self._tail
-            entry = _Entry(segment.id, offset, meta.nbytes, meta.num_layers, self._seq, meta.parent)
+            entry = IndexEntry(segment.id, offset, meta.nbytes, meta.num_layers, self._seq, meta.parent)
             header = RecordHeader(key, meta.nbytes, meta.num_layers, self._seq, meta.parent, meta.checksums)
             try:
                 self._write_record(segment, offset, header.encode(), payload, size)
@@ -320,7 +255,7 @@ class DiskTier(Tier):
             except Exception as exc:  # OSError from the segment, rocksdict raises plain Exception
                 self._counters["io_errors"] += 1
                 log.error("disk tier %s: write failed (%s); block not stored", self.path, exc)
-                _truncate_quietly(segment.fd, offset)
+                truncate_quietly(segment.fd, offset)
                 return False
             self._index[key] = entry
             self._seq += 1
@@ -329,7 +264,7 @@ class DiskTier(Tier):
             self._counters["bytes_written"] += meta.nbytes
             return True
 
-    def _write_record(self, segment: _Segment, offset: int, header: bytes, payload: np.ndarray, size: int) -> None:
+    def _write_record(self, segment: SegmentFile, offset: int, header: bytes, payload: np.ndarray, size: int) -> None:
         segment.dirty = True  # the file's size (and, buffered, its pages) await fdatasync either way
         if segment.write_fd is not None:
             write_record_direct(segment.write_fd, offset, header, payload.reshape(-1).view(np.uint8), size)
@@ -353,10 +288,10 @@ class DiskTier(Tier):
 
     def _roll_segment(self) -> None:
         next_id = max(self._segments, default=0) + 1
-        segment = _Segment(next_id, os.path.join(self._segments_dir, _segment_name(next_id)), self.direct_io,
+        segment = SegmentFile(next_id, os.path.join(self._segments_dir, segment_name(next_id)), self.direct_io,
                            appends=True)
         if self.durable:  # the new file's directory entry must survive a power loss too
-            _fsync_directory(self._segments_dir)
+            fsync_directory(self._segments_dir)
         self._segments[next_id] = segment
         old, self._active, self._tail = self._active, segment, 0
         if old is not None:
@@ -380,7 +315,7 @@ class DiskTier(Tier):
                 raise FileNotFoundError(f"segment {entry.segment} is gone")
             span = run.take(key, entry.segment, entry.offset) if run is not None else None
             if run is not None and span is None:  # out of step with the run: read alone from now on
-                self._end_run(run)
+                self._runs.end(run)
                 run = None
             if span is not None:  # read ahead while the blocks before it were verified and copied
                 header_page, data = span[:HEADER_BYTES], span[HEADER_BYTES : HEADER_BYTES + dst.nbytes]
@@ -393,7 +328,7 @@ class DiskTier(Tier):
                 complete = os.preadv(segment.fd, [header_page], entry.offset) == HEADER_BYTES
                 complete = complete and os.preadv(segment.fd, [dst], start) == dst.nbytes
         except OSError as exc:
-            self._end_run(run)
+            self._runs.end(run)
             self._counters["io_errors"] += 1
             log.warning("disk tier %s: read of a block failed (%s); dropped", self.path, exc)
             self.remove(key)
@@ -404,9 +339,9 @@ class DiskTier(Tier):
             if run is not None:
                 run.done()
                 if run.exhausted():
-                    self._end_run(run)
+                    self._runs.end(run)
 
-    def _verify_and_copy(self, key: bytes, entry: _Entry, header_page: np.ndarray | None, data: np.ndarray,
+    def _verify_and_copy(self, key: bytes, entry: IndexEntry, header_page: np.ndarray | None, data: np.ndarray,
                          dst: np.ndarray, first_layer: int, count: int) -> bool:
         """Copy ``data`` into ``dst`` if the record verifies (``header_page`` None: it was read short);
         otherwise drop the block and count it."""
@@ -440,7 +375,6 @@ class DiskTier(Tier):
                     return  # a hint only
 
     def _start_run(self, keys: list[bytes]) -> None:
-        self._end_run(getattr(self._runs, "run", None))
         records, owners = [], []
         for key in keys:
             entry = self._index.get(key)
@@ -449,31 +383,18 @@ class DiskTier(Tier):
                 break
             records.append(Record(key, segment.id, segment.direct_fd, entry.offset, footprint(entry.nbytes)))
             owners.append(segment)
-        if len(records) < 2:
-            return
-        with self._lock:
-            if self._reader is None:
-                self._reader = ThreadPoolExecutor(1, thread_name_prefix="kvstore-disk-read")
-        self._runs.run = ReadAhead(self._reader, records, owners=tuple(owners))
+        self._runs.start(records, tuple(owners))
 
-    def _run_for(self, key: bytes, entry: _Entry, first_layer: int, count: int) -> ReadAhead | None:
+    def _run_for(self, key: bytes, entry: IndexEntry, first_layer: int, count: int) -> ReadAhead | None:
         """This thread's read-ahead, if ``key`` is a whole-block read it can serve; a run that has
         fallen out of step with the reads is ended."""
-        run = getattr(self._runs, "run", None)
-        if run is None:
-            return None
-        if first_layer != 0 or count != entry.num_layers:
-            self._end_run(run)
+        run = self._runs.current()
+        if run is not None and (first_layer != 0 or count != entry.num_layers):
+            self._runs.end(run)
             return None
         return run
 
-    def _end_run(self, run: ReadAhead | None) -> None:
-        if run is not None:
-            run.close()
-            if getattr(self._runs, "run", None) is run:
-                self._runs.run = None
-
-    def _read_header(self, entry: _Entry) -> RecordHeader | None:
+    def _read_header(self, entry: IndexEntry) -> RecordHeader | None:
         segment = self._segments.get(entry.segment)
         if segment is None:
             return None
@@ -500,7 +421,7 @@ class DiskTier(Tier):
                 segment.dead_bytes += size
             return True
 
-    def _delete_segment(self, segment: _Segment) -> None:
+    def _delete_segment(self, segment: SegmentFile) -> None:
         del self._segments[segment.id]
         try:
             os.unlink(segment.path)
@@ -563,8 +484,7 @@ class DiskTier(Tier):
                 return
             self.flush()
             self._closed = True
-            if self._reader is not None:
-                self._reader.shutdown(wait=True)
+            self._runs.close()
             self._db.close()
             self._segments.clear()
             self._active = None
@@ -572,32 +492,3 @@ class DiskTier(Tier):
     def _check_open(self) -> None:
         if self._closed:
             raise StoreClosed(f"disk tier at {self.path} is closed")
-
-
-def _supports_direct(directory: str) -> bool:
-    """Whether files in ``directory`` can be opened with O_DIRECT (not on tmpfs, say)."""
-    probe = os.path.join(directory, ".direct-probe")
-    os.close(os.open(probe, os.O_WRONLY | os.O_CREAT, 0o644))
-    try:
-        fd = open_direct(probe, writable=True)
-        if fd is None:
-            return False
-        os.close(fd)
-        return True
-    finally:
-        os.unlink(probe)
-
-
-def _fsync_directory(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _truncate_quietly(fd: int, length: int) -> None:
-    try:
-        os.ftruncate(fd, length)
-    except OSError:
-        pass

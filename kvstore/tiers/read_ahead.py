@@ -25,6 +25,7 @@ ahead is the disk tier's business.
 from __future__ import annotations
 
 import collections
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -139,3 +140,38 @@ def _spans(records: list[Record], span_bytes: int) -> list[_Span]:
         else:
             spans.append(_Span([record]))
     return spans
+
+
+class ThreadRuns:
+    """Each loading thread's current ``ReadAhead``, and the one reader thread they share."""
+
+    def __init__(self, thread_name: str = "kvstore-disk-read"):
+        self._local = threading.local()
+        self._reader: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._thread_name = thread_name
+
+    def current(self) -> ReadAhead | None:
+        return getattr(self._local, "run", None)
+
+    def start(self, records: list[Record], owners: tuple = ()) -> None:
+        """This thread's run becomes one over ``records`` (none for fewer than two)."""
+        self.end(self.current())
+        if len(records) < 2:
+            return
+        with self._lock:
+            if self._reader is None:
+                self._reader = ThreadPoolExecutor(1, thread_name_prefix=self._thread_name)
+        self._local.run = ReadAhead(self._reader, records, owners=owners)
+
+    def end(self, run: ReadAhead | None) -> None:
+        """Close ``run``; if it is this thread's, the thread has none after."""
+        if run is not None:
+            run.close()
+            if self.current() is run:
+                self._local.run = None
+
+    def close(self) -> None:
+        """Wait for the reader thread (call once no thread starts runs any more)."""
+        if self._reader is not None:
+            self._reader.shutdown(wait=True)

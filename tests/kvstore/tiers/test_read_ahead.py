@@ -50,18 +50,18 @@ def test_a_prefetched_run_is_served_from_the_read_ahead_byte_exact(tier, no_lone
     for i, payload in enumerate(tier.payloads):
         dst = np.empty(NBYTES, np.uint8)
         assert tier.read(key(i), dst) and np.array_equal(dst, payload)
-    assert tier._runs.run is None, "an exhausted run is ended"
+    assert tier._runs.current() is None, "an exhausted run is ended"
 
 
 def test_reads_out_of_order_or_by_layer_end_the_run_and_stay_exact(tier):
     tier.prefetch([key(i) for i in range(6)])
     dst = np.empty(NBYTES, np.uint8)
     assert tier.read(key(3), dst) and np.array_equal(dst, tier.payloads[3])  # not the next: read alone
-    assert tier._runs.run is None
+    assert tier._runs.current() is None
     tier.prefetch([key(i) for i in range(6)])
     layer = np.empty(NBYTES // LAYERS, np.uint8)
     assert tier.read(key(0), layer, first_layer=2, num_layers=1)
-    assert np.array_equal(layer, tier.payloads[0][2 * 3001 : 3 * 3001]) and tier._runs.run is None
+    assert np.array_equal(layer, tier.payloads[0][2 * 3001 : 3 * 3001]) and tier._runs.current() is None
     for i in (0, 1):
         assert tier.read(key(i), dst) and np.array_equal(dst, tier.payloads[i])
 
