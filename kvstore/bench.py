@@ -1,8 +1,9 @@
 """``kvstore bench``: the store's bandwidths and lookup time, each next to its ceiling from the
 same run, at real DeepSeek-V3.2 block sizes (61 layers x 64 tokens x (656 + 132) bytes).
 
-Every figure is the median of ``repeats`` runs; each run measures the ceiling right before the
-store, so both see the same machine state. Cold disk reads: the segment files are fdatasync'd
+Every figure is the median of ``repeats`` runs; each run measures the ceiling right before or
+after the store (they take turns), so both see the same machine state; cold reads are sampled
+``read_rounds`` times per run. Cold disk reads: the segment files are fdatasync'd
 and their cached pages dropped with ``posix_fadvise(POSIX_FADV_DONTNEED)`` before the (default,
 O_DIRECT, read-ahead) read; the same cold read with ``direct_io=False`` (buffered) is reported beside it.
 The read ceiling uses O_DIRECT, which never touches the page cache.
@@ -38,8 +39,10 @@ TARGETS = {
 
 @dataclass
 class BenchConfig:
-    blocks: int = 96  # 96 x 2.93 MiB = 282 MiB per pass: larger than any CPU cache
+    blocks: int = 96  # host tier: 96 x 2.93 MiB = 282 MiB per pass, larger than any CPU cache
+    disk_blocks: int | None = None  # disk tier per pass; default 4 x blocks (1.1 GiB), see below
     repeats: int = 3
+    read_rounds: int = 3  # cold-read samples per repeat, each next to a ceiling sample
     lookup_tokens: int = 131072
     lookup_repeats: int = 21
     directory: str | None = None
@@ -95,10 +98,14 @@ def _settle() -> None:
 
 
 def bench_disk(cfg: BenchConfig, payloads: list[np.ndarray], ns: Namespace, root: str) -> dict:
+    """Disk passes of ``len(payloads)`` blocks. Larger than the host passes: on the virtual disk
+    measured here, 282 MiB passes ran in alternating fast and slow phases (reads of the same
+    bytes at 0.8 and then 1.9 GB/s, anti-correlated between the ceiling's file and the store's),
+    which 1.1 GiB passes mostly did not, so a pass should exceed whatever caches the disk has."""
     spec = BlockSpec.of(ns)
-    hashes = namespace_hashes(ns, np.arange(cfg.blocks * spec.block_size) % 129280 + 7)
+    hashes = namespace_hashes(ns, np.arange(len(payloads) * spec.block_size) % 129280 + 7)
     dsts = [np.empty(spec.block_bytes, np.uint8) for _ in payloads]
-    total = spec.block_bytes * cfg.blocks
+    total = spec.block_bytes * len(payloads)
     ceiling_file = os.path.join(root, "ceiling.bin")
     write_ceiling, read_ceiling, write, read, warm, buffered, overhead = [], [], [], [], [], [], []
     for i in range(cfg.repeats):
@@ -116,13 +123,15 @@ def bench_disk(cfg: BenchConfig, payloads: list[np.ndarray], ns: Namespace, root
                 phase()
             overhead.append((disk.allocated_bytes() + _tree_bytes(os.path.join(path, "index"))) / total)
             disk.drop_page_cache()
-            # The reads take turns going first too (even repeats: ceiling first): this disk runs
-            # in fast and slow phases (see the README), which a fixed order would charge to one side.
+            # Reads: ``read_rounds`` rounds of one ceiling read and one store read, taking turns
+            # going first. This disk runs in fast and slow phases (see the README), which a fixed
+            # order, or one sample each, would charge to one side.
             phases = [lambda: read_ceiling.append(ceilings.direct_read_seconds(ceiling_file, total)),
                       lambda: read.append(_timed(lambda: store.load(ns_id, hashes, dsts)))]
-            for phase in phases if i % 2 == 0 else phases[::-1]:
-                _settle()
-                phase()
+            for round_ in range(cfg.read_rounds):
+                for phase in phases if (i + round_) % 2 == 0 else phases[::-1]:
+                    _settle()
+                    phase()
             assert all(np.array_equal(d, p) for d, p in zip(dsts, payloads)), "disk load returned wrong bytes"
             warm.append(_timed(lambda: store.load(ns_id, hashes, dsts)))
             store.close()
@@ -186,11 +195,12 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> 
     spec = BlockSpec.of(ns)
     root = tempfile.mkdtemp(prefix="kvstore-bench-", dir=cfg.directory)
     try:
-        payloads = _payloads(spec, cfg.blocks)
+        disk_blocks = cfg.disk_blocks or 4 * cfg.blocks
+        payloads = _payloads(spec, max(cfg.blocks, disk_blocks))
         log(f"host tier: {cfg.blocks} blocks of {spec.block_bytes} bytes x {cfg.repeats} runs")
-        figures = bench_host(cfg, payloads, ns, shm_dir=None if cfg.directory is None else root)
-        log("disk tier: write + fdatasync, cold read after fadvise(DONTNEED)")
-        figures.update(bench_disk(cfg, payloads, ns, root))
+        figures = bench_host(cfg, payloads[: cfg.blocks], ns, shm_dir=None if cfg.directory is None else root)
+        log(f"disk tier: {disk_blocks} blocks, write + fdatasync, then {cfg.read_rounds} cold reads per run")
+        figures.update(bench_disk(cfg, payloads[:disk_blocks], ns, root))
         log(f"lookup: {cfg.lookup_tokens}-token prompt x {cfg.lookup_repeats} runs")
         figures.update(bench_lookup(cfg, root))
     finally:
@@ -208,9 +218,11 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> 
         "block": {"layers": spec.num_layers, "block_size": spec.block_size, "components": list(spec.components),
                   "block_bytes": spec.block_bytes},
         "blocks_per_pass": cfg.blocks,
+        "disk_blocks_per_pass": disk_blocks,
         "repeats": cfg.repeats,
+        "read_rounds": cfg.read_rounds,
         "method": {
-            "statistic": "median over repeats; ceiling measured in the same repeat",
+            "statistic": "median over repeats (cold reads: over repeats x read_rounds); ceiling measured in the same repeat, right before or after",
             "cold_read": "default O_DIRECT reads with read-ahead (2 records in flight) after fdatasync + posix_fadvise(DONTNEED) of the segments; also reported: the same cold read with direct_io=False (buffered, POSIX_FADV_WILLNEED); ceiling: O_DIRECT 4 MiB sequential reads",
             "write": "store.put of every block + flush (fdatasync); ceiling: O_DIRECT 4 MiB sequential writes + fsync; the two alternate which goes first",
             "lookup": "chained xxh3-128 hashing + directory probe, every block on disk; baseline: sha256(pickle(parent, tokens, None)) hashing alone",
@@ -234,7 +246,8 @@ def format_table(result: dict) -> str:
     ]
     b = result["block"]
     lines = [f"block: {b['layers']} layers x {b['block_size']} tokens {'+'.join(b['components'])} = {b['block_bytes']} bytes; "
-             f"{result['blocks_per_pass']} blocks per pass, median of {result['repeats']}",
+             f"{result['blocks_per_pass']} blocks per host pass, {result['disk_blocks_per_pass']} per disk pass; "
+             f"median of {result['repeats']} (cold reads: {result['repeats'] * result['read_rounds']})",
              f"{'measure':28} {'store':>12} {'ceiling / peer':>24} {'ratio':>8}  target"]
     for name, ours, ceiling, key in rows:
         target = result["targets"].get(key, "")

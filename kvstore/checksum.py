@@ -6,7 +6,8 @@ as one opaque unit is a block of one "layer".
 
 from __future__ import annotations
 
-from typing import Sequence
+from concurrent.futures import Executor, Future
+from typing import Iterator, Sequence
 
 import numpy as np
 import xxhash
@@ -23,3 +24,23 @@ def layer_checksums(payload: np.ndarray, num_layers: int) -> tuple[int, ...]:
 def layers_match(view: np.ndarray, expected: Sequence[int]) -> bool:
     """True when ``view``, split into ``len(expected)`` equal layers, has exactly those checksums."""
     return layer_checksums(view, len(expected)) == tuple(expected)
+
+
+def checksums_ahead(payloads: Sequence[np.ndarray], num_layers: int, executor: Executor | None,
+                    ahead: int = 1) -> Iterator[tuple[int, ...]]:
+    """``layer_checksums`` of each payload in order, computing up to ``ahead`` payloads beyond the
+    one the caller works on in ``executor``, so hashing the next block overlaps with writing this
+    one (a write releases the GIL while the device works). No executor, or one payload: inline.
+    Closing the iterator early waits for nothing and cancels what has not started."""
+    if executor is None or len(payloads) < 2:
+        yield from (layer_checksums(p, num_layers) for p in payloads)
+        return
+    pending: list[Future] = []
+    try:
+        for i in range(len(payloads)):
+            while len(pending) <= ahead and i + len(pending) < len(payloads):
+                pending.append(executor.submit(layer_checksums, payloads[i + len(pending)], num_layers))
+            yield pending.pop(0).result()
+    finally:
+        for future in pending:
+            future.cancel()

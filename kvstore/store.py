@@ -20,6 +20,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Callable, Sequence
 
@@ -28,7 +29,7 @@ import numpy as np
 from kvstore.buffers import byte_view, check_size
 from kvstore.directory import MAX_TIERS, Directory
 from kvstore.placement import PlacementMixin
-from kvstore.checksum import layer_checksums
+from kvstore.checksum import checksums_ahead
 from kvstore.errors import InvalidRequest, StoreClosed, UnknownLease, UnknownNamespace
 from kvstore.keys import DIGEST_BYTES, Namespace
 from kvstore.layout import BlockSpec
@@ -79,6 +80,8 @@ class TieredStore(PlacementMixin):
         self._lock = threading.RLock()
         self._counters: Counter[str] = Counter()
         self._writer = BackgroundWriter() if background_writes and len(self.tiers) > 1 else None
+        # hashes the next block of a put while this one is written (``checksums_ahead``)
+        self._hasher = ThreadPoolExecutor(2, thread_name_prefix="kvstore-put-hash")
         self._closed = False
         self._adopt_resident_blocks()
 
@@ -275,10 +278,14 @@ class TieredStore(PlacementMixin):
             check_size(view, spec.block_bytes, "block payload")
         outcome: Counter[str] = Counter()
         previous = parent
-        for block_hash, view in zip(block_hashes, views):
-            meta = BlockMeta(spec.block_bytes, spec.num_layers, (), ns_id + previous if previous else None)
-            outcome[self._put_one(ns_id + block_hash, view, meta)] += 1
-            previous = block_hash
+        checksums = checksums_ahead(views, spec.num_layers, self._hasher)
+        try:
+            for block_hash, view, sums in zip(block_hashes, views, checksums):
+                meta = BlockMeta(spec.block_bytes, spec.num_layers, sums, ns_id + previous if previous else None)
+                outcome[self._put_one(ns_id + block_hash, view, meta)] += 1
+                previous = block_hash
+        finally:
+            checksums.close()
         with self._lock:
             self._counters["puts"] += 1
             self._counters.update({f"{k}_blocks": v for k, v in outcome.items()})
@@ -290,7 +297,6 @@ class TieredStore(PlacementMixin):
                 return "duplicate"
             self._inflight.add(key)
         try:
-            meta = replace(meta, checksums=layer_checksums(view, meta.num_layers))
             for t in range(len(self.tiers)):
                 if self._policies[t].admit(key, meta.parent, meta.nbytes) and self._place(t, key, view, meta):
                     self._write_through(key, t, meta)
@@ -429,6 +435,7 @@ class TieredStore(PlacementMixin):
         if self._writer is not None:
             self._writer.drain()
             self._writer.close()
+        self._hasher.shutdown(cancel_futures=True)
         for tier in self.tiers:
             tier.flush()
             tier.close()

@@ -24,10 +24,12 @@ import errno
 import mmap
 import os
 import threading
+from concurrent.futures import Executor
 
 import numpy as np
 
 ALIGN = 4096
+FIRST_WRITE = 1 << 20  # a record's first write when its copy overlaps the device (``writer``)
 _local = threading.local()
 
 
@@ -93,12 +95,18 @@ def aligned_buffer(nbytes: int) -> np.ndarray:
     return np.frombuffer(mmap.mmap(-1, max(nbytes, 1)), np.uint8)
 
 
-def assemble_record(span: np.ndarray, header: bytes, payload: np.ndarray) -> None:
-    """Fill ``span`` (flat ``uint8``) with ``header``, ``payload`` (flat ``uint8``) and zeros."""
-    end = len(header) + payload.nbytes
-    span[: len(header)] = np.frombuffer(header, np.uint8)
-    span[len(header) : end] = payload
-    span[end:] = 0
+def assemble_record(span: np.ndarray, header: bytes, payload: np.ndarray, start: int = 0, end: int | None = None) -> None:
+    """Fill ``span[start:end]`` (flat ``uint8``; default all of it) with those bytes of the record
+    ``header``, ``payload`` (flat ``uint8``), zeros."""
+    end = span.nbytes if end is None else end
+    head, body = len(header), len(header) + payload.nbytes
+    if start < head:
+        span[start : min(head, end)] = np.frombuffer(header, np.uint8)[start : min(head, end)]
+    if start < body and end > head:
+        lo, hi = max(start, head), min(end, body)
+        span[lo:hi] = payload[lo - head : hi - head]
+    if end > body:
+        span[max(start, body) : end] = 0
 
 
 def write_all(fd: int, span: np.ndarray, offset: int) -> None:
@@ -109,11 +117,25 @@ def write_all(fd: int, span: np.ndarray, offset: int) -> None:
         raise OSError(errno.EIO, f"short write: {written} of {span.nbytes} bytes")
 
 
-def write_record_direct(fd: int, offset: int, header: bytes, payload: np.ndarray, size: int) -> None:
+def write_record_direct(fd: int, offset: int, header: bytes, payload: np.ndarray, size: int,
+                        writer: Executor | None = None) -> None:
     """Write ``header``, ``payload`` (flat ``uint8``) and zeros up to ``size`` bytes at ``offset``
-    with one O_DIRECT write through this thread's write bounce buffer; ``offset`` and ``size`` are
-    multiples of ALIGN."""
+    with O_DIRECT through this thread's write bounce buffer; ``offset`` and ``size`` are multiples
+    of ALIGN. Returns when every byte is written (OSError if any write failed).
+
+    With ``writer`` (a one-thread executor) the record goes out as two writes: the first
+    ``FIRST_WRITE`` bytes are on their way to the device while the rest are copied into the
+    bounce buffer, so the copy and the device overlap instead of taking turns."""
     assert offset % ALIGN == 0 and size % ALIGN == 0 and len(header) + payload.nbytes <= size, "unaligned record"
     span = _bounce(size, "write")[:size]
-    assemble_record(span, header, payload)
-    write_all(fd, span, offset)
+    if writer is None or size <= FIRST_WRITE:
+        assemble_record(span, header, payload)
+        write_all(fd, span, offset)
+        return
+    assemble_record(span, header, payload, 0, FIRST_WRITE)
+    first = writer.submit(write_all, fd, span[:FIRST_WRITE], offset)
+    try:
+        assemble_record(span, header, payload, FIRST_WRITE)
+    finally:
+        first.result()  # the buffer is this thread's: no write may outlive the call
+    write_all(fd, span[FIRST_WRITE:], offset + FIRST_WRITE)

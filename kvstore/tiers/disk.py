@@ -32,6 +32,7 @@ import shutil
 import struct
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterator
 
 import numpy as np
@@ -87,7 +88,8 @@ class DiskTier(Tier):
         # serve (seen here as records reading back as zeros); checksums caught it, as misses.
         # Where the file system has no O_DIRECT (tmpfs), everything is buffered.
         self.direct_io = direct_io and supports_direct(self._segments_dir)
-        self._write_buffers: list[np.ndarray] = []  # two page-aligned records: one assembling, one writing
+        # writes a record's first MiB while the rest is copied into the bounce buffer (direct_io)
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvstore-disk-write") if self.direct_io else None
         self._runs = ThreadRuns()  # each loading thread's O_DIRECT read-ahead
         self._lock = threading.RLock()
         self._index: dict[bytes, IndexEntry] = {}
@@ -267,7 +269,8 @@ class DiskTier(Tier):
     def _write_record(self, segment: SegmentFile, offset: int, header: bytes, payload: np.ndarray, size: int) -> None:
         segment.dirty = True  # the file's size (and, buffered, its pages) await fdatasync either way
         if segment.write_fd is not None:
-            write_record_direct(segment.write_fd, offset, header, payload.reshape(-1).view(np.uint8), size)
+            write_record_direct(segment.write_fd, offset, header, payload.reshape(-1).view(np.uint8), size,
+                                self._writer)
             if self.durable:
                 os.fdatasync(segment.fd)
             return
@@ -485,6 +488,8 @@ class DiskTier(Tier):
             self.flush()
             self._closed = True
             self._runs.close()
+            if self._writer is not None:
+                self._writer.shutdown()
             self._db.close()
             self._segments.clear()
             self._active = None

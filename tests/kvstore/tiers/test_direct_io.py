@@ -1,6 +1,7 @@
 """O_DIRECT reads and writes through aligned bounce buffers, and the disk tier's buffered fallback."""
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -95,6 +96,55 @@ def test_a_direct_record_is_header_payload_and_zeros_in_one_aligned_write(tmp_pa
     assert raw.nbytes == 8192 + 4 * 4096 and not raw[:8192].any()
     assert raw[8192 : 8292].tobytes() == b"H" * 100 and np.array_equal(raw[8292 : 8292 + 9999], payload)
     assert not raw[8292 + 9999 :].any()
+
+
+@pytest.mark.parametrize("start, end", [(0, 50), (50, 130), (100, 4096), (0, 8192), (4000, 9000), (4096, 8192)])
+def test_assembling_a_record_in_pieces_gives_the_same_bytes(start, end):
+    payload = np.random.default_rng(3).integers(0, 256, 5000, dtype=np.uint8)
+    whole, pieces = np.full(8192, 7, np.uint8), np.full(8192, 7, np.uint8)
+    direct_io.assemble_record(whole, b"H" * 100, payload)
+    direct_io.assemble_record(pieces, b"H" * 100, payload, 0, start)
+    direct_io.assemble_record(pieces, b"H" * 100, payload, start, end)
+    direct_io.assemble_record(pieces, b"H" * 100, payload, end)
+    assert np.array_equal(pieces, whole)
+    assert whole[:100].tobytes() == b"H" * 100 and np.array_equal(whole[100:5100], payload) and not whole[5100:].any()
+
+
+def _direct_segment(tmp_path, writable=True):
+    path = str(tmp_path / "f.seg")
+    os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o644))
+    fd = direct_io.open_direct(path, writable=writable)
+    if fd is None:
+        pytest.skip("this file system has no O_DIRECT")
+    return path, fd
+
+
+def test_a_large_record_written_in_two_overlapped_writes_lands_whole(tmp_path):
+    path, fd = _direct_segment(tmp_path)
+    payload = np.random.default_rng(4).integers(0, 256, direct_io.FIRST_WRITE + 777_777, dtype=np.uint8)
+    size = (4096 + payload.nbytes + 4095) // 4096 * 4096
+    with ThreadPoolExecutor(1) as writer:
+        try:
+            direct_io.write_record_direct(fd, 4096, b"R" * 4096, payload, size, writer)
+        finally:
+            os.close(fd)
+    raw = np.fromfile(path, np.uint8)
+    assert raw.nbytes == 4096 + size and not raw[:4096].any()
+    assert raw[4096:8192].tobytes() == b"R" * 4096
+    assert np.array_equal(raw[8192 : 8192 + payload.nbytes], payload) and not raw[8192 + payload.nbytes :].any()
+
+
+def test_a_failed_overlapped_write_raises_and_leaves_no_write_running(tmp_path):
+    path, fd = _direct_segment(tmp_path, writable=False)  # read-only: every write fails
+    payload = np.ones(direct_io.FIRST_WRITE * 2, np.uint8)
+    with ThreadPoolExecutor(1) as writer:
+        try:
+            with pytest.raises(OSError):
+                direct_io.write_record_direct(fd, 0, b"R" * 4096, payload, payload.nbytes + 4096, writer)
+            assert writer.submit(lambda: "idle").result(timeout=5) == "idle"
+        finally:
+            os.close(fd)
+    assert os.path.getsize(path) == 0
 
 
 def _write_one(tmp_path):
