@@ -102,10 +102,11 @@ def _settle() -> None:
 
 
 def bench_disk(cfg: BenchConfig, payloads: list[np.ndarray], ns: Namespace, root: str) -> dict:
-    """Disk passes of ``len(payloads)`` blocks. Larger than the host passes: on the virtual disk
+    """Disk passes of ``len(payloads)`` blocks, larger than the host passes: on the virtual disk
     measured here, 282 MiB passes ran in alternating fast and slow phases (reads of the same
-    bytes at 0.8 and then 1.9 GB/s, anti-correlated between the ceiling's file and the store's),
-    which 1.1 GiB passes mostly did not, so a pass should exceed whatever caches the disk has."""
+    bytes at 0.8 and then 1.9 GB/s, anti-correlated between the ceiling's file and the store's).
+    1.1 GiB passes and several read samples per run steady the medians; the alternation remains
+    (README, Benchmark)."""
     spec = BlockSpec.of(ns)
     hashes = namespace_hashes(ns, np.arange(len(payloads) * spec.block_size) % 129280 + 7)
     dsts = [np.empty(spec.block_bytes, np.uint8) for _ in payloads]
