@@ -8,9 +8,10 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 # Debian packages the tests and benchmarks use: chromium (dashboard browser tests), redis-server
-# (the sidecar benchmark's peer), prometheus (promtool checks deploy/), openssl (TLS test certs).
-SYSTEM_PACKAGES ?= chromium redis-server prometheus openssl
-SYSTEM_TOOLS    := /usr/bin/chromium /usr/bin/redis-server /usr/bin/promtool /usr/bin/openssl
+# (the sidecar benchmark's peer), prometheus (promtool checks deploy/), openssl (TLS test certs),
+# gcc and libxxhash-dev (the C loop of the prefix hash chain, kvstore/_chain.c; optional at build).
+SYSTEM_PACKAGES ?= chromium redis-server prometheus openssl gcc libxxhash-dev
+SYSTEM_TOOLS    := /usr/bin/chromium /usr/bin/redis-server /usr/bin/promtool /usr/bin/openssl /usr/bin/gcc /usr/include/xxhash.h
 
 .PHONY: run test bench venv clean system-packages
 
@@ -21,14 +22,14 @@ venv: $(STAMP)
 
 # apt-get runs only when a tool is missing; without root (and no sudo) it says what to install.
 system-packages:
-	@missing=0; for tool in $(SYSTEM_TOOLS); do test -x $$tool || missing=1; done; \
+	@missing=0; for tool in $(SYSTEM_TOOLS); do test -e $$tool || missing=1; done; \
 	if [ $$missing = 1 ]; then \
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; elif command -v sudo >/dev/null; then SUDO=sudo; else \
 	    echo "warning: install these Debian packages as root: $(SYSTEM_PACKAGES) (tests needing them skip)"; exit 0; fi; \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $(SYSTEM_PACKAGES) >/dev/null; \
 	fi
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml setup.py kvstore/_chain.c Makefile
 	@$(MAKE) --no-print-directory system-packages
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip

@@ -22,7 +22,7 @@ from typing import Callable
 import numpy as np
 
 from kvstore import ceilings
-from kvstore.keys import Namespace, namespace_hashes
+from kvstore.keys import Namespace, namespace_hashes, native_hashing
 from kvstore.layout import DEEPSEEK_NUM_LAYERS, DEEPSEEK_V32_COMPONENTS, BlockSpec
 from kvstore.store import TieredStore
 from kvstore.tiers.disk import DiskTier
@@ -235,6 +235,7 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> 
             "cold_read": "default O_DIRECT reads with read-ahead (adjacent records read together, up to 16 MiB per request, 3 buffers) after fdatasync + posix_fadvise(DONTNEED) of the segments; also reported: the same cold read with direct_io=False (buffered, POSIX_FADV_WILLNEED); ceiling: O_DIRECT 4 MiB sequential reads",
             "write": "store.put of every block + flush (fdatasync); ceiling: O_DIRECT 4 MiB sequential writes + fsync; the two alternate which goes first",
             "lookup": "chained xxh3-128 hashing + directory probe, every block on disk; baseline: sha256(pickle(parent, tokens, None)) hashing alone",
+            "hash_loop": "native (kvstore/_chain.c)" if native_hashing() else "python (kvstore._chain not built)",
         },
         "figures": figures,
         "ratios": ratios,
@@ -262,6 +263,7 @@ def format_table(result: dict) -> str:
         target = result["targets"].get(key, "")
         mark = "" if key not in met else ("  ok" if met[key] else "  MISSED")
         lines.append(f"{name:28} {ours:>12} {ceiling:>24} {r[key]:>8.3f}  {target}{mark}")
+    lines.append(f"hash loop: {result['method']['hash_loop']}")
     lines.append(f"disk read again at once: {f['disk_read_warm_gbps']:.2f} GB/s (O_DIRECT: no page cache); cold with "
                  f"direct_io=False (buffered): {f['disk_read_cold_buffered_gbps']:.2f} GB/s "
                  f"({f['disk_read_cold_buffered_gbps'] / f['disk_read_ceiling_gbps']:.2f}x ceiling)")

@@ -32,6 +32,17 @@ from kvstore.keys import (
 
 ZERO_SEED = bytes(16)
 
+
+@pytest.fixture(autouse=True, params=["native", "python"])
+def hash_loop(request, monkeypatch):
+    """Every test runs on both loops of ``chain_hashes``: the C one (kvstore/_chain.c) and the
+    Python fallback used where the extension could not be built."""
+    if request.param == "native" and not kvstore.keys.native_hashing():
+        pytest.skip("kvstore._chain is not built (needs a C compiler and libxxhash-dev at install)")
+    if request.param == "python":
+        monkeypatch.setattr(kvstore.keys, "_native", None)
+    return request.param
+
 V3 = Namespace(model="deepseek-ai/DeepSeek-V3", model_config_hash="cfg-v3", num_layers=61, components=("mla_bf16",))
 V3_CANONICAL_JSON = (
     '{"block_size":64,"cache_salt":"","components":["mla_bf16"],"engine":"mla-kvstore",'
@@ -364,3 +375,8 @@ def test_prompts_longer_than_the_cached_scratch_hash_correctly():
         prev = xxhash.xxh3_128_digest(prev + packed[i * 256 : (i + 1) * 256])
         naive.append(prev)
     assert chain_hashes(ZERO_SEED, tokens, 64) == naive
+
+
+def test_strided_token_views_hash_like_their_copies():
+    tokens = np.arange(512, dtype=np.int64)[::2]  # a non-contiguous view
+    assert chain_hashes(ZERO_SEED, tokens, 64) == _naive_chain(ZERO_SEED, tokens.tolist(), 64)
