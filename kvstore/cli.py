@@ -81,10 +81,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from kvstore.bench import BenchConfig, format_table, run_bench
 
-    if min(args.blocks, args.repeats, args.lookup_tokens, args.disk_blocks or 1) <= 0:
-        raise InvalidRequest("--blocks, --disk-blocks, --repeats and --lookup-tokens must be positive")
+    if min(args.blocks, args.repeats, args.read_rounds, args.lookup_tokens, args.disk_blocks or 1) <= 0:
+        raise InvalidRequest("--blocks, --disk-blocks, --repeats, --read-rounds and --lookup-tokens must be positive")
     cfg = BenchConfig(blocks=args.blocks, disk_blocks=args.disk_blocks, repeats=args.repeats,
-                      lookup_tokens=args.lookup_tokens, directory=args.dir)
+                      read_rounds=args.read_rounds, lookup_tokens=args.lookup_tokens, directory=args.dir)
     log = (lambda s: None) if args.json else (lambda s: print(s, file=sys.stderr))
     result = run_bench(cfg, log)
     if args.sidecar:
@@ -176,7 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.add_argument("--blocks", type=int, default=96, help="blocks per pass (default 96, 2.93 MiB each)")
     bench.add_argument("--disk-blocks", type=int, help="blocks per disk pass (default 4 x --blocks: 1.1 GiB)")
-    bench.add_argument("--repeats", type=int, default=3, help="runs per figure; medians are reported (default 3)")
+    bench.add_argument("--repeats", type=int, default=4, help="runs per figure; medians are reported (default 4)")
+    bench.add_argument("--read-rounds", type=int, default=4,
+                       help="cold-read samples of the store and of the ceiling per run, in ABBA order (default 4)")
     bench.add_argument("--lookup-tokens", type=int, default=131072, help="prompt length for the lookup figure")
     bench.add_argument("--dir", help="directory on the file system to measure (default: the temp dir)")
     bench.add_argument("--sidecar", action="store_true", help="also the sidecar's paths (shared memory, gRPC) "

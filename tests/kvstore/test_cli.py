@@ -37,6 +37,7 @@ def test_bench_json_reports_every_figure_and_ratio(tmp_path):
         assert result["ratios"][ratio] > 0 and ratio in result["targets_met"]
     assert result["block"]["block_bytes"] == 3_076_352
     assert 1.0 <= result["ratios"]["disk_bytes_per_payload_byte"] < 1.5
+    assert len(result["figures"]["disk_samples_gbps"]["read_cold"]) == result["repeats"] * result["read_rounds"]
     assert os.listdir(tmp_path) == [], "the benchmark cleans up its files"
 
 
@@ -58,3 +59,23 @@ def test_bad_flags_give_a_clear_error_and_exit_2(args, message):
 def test_fsck_of_a_non_tier_exits_2(tmp_path):
     done = kvstore("fsck", str(tmp_path))
     assert done.returncode == 2 and "not a kvstore disk tier" in done.stderr
+
+
+@pytest.mark.parametrize("repeat", [0, 1])
+@pytest.mark.parametrize("rounds", [2, 4, 6])
+def test_cold_read_order_gives_each_side_as_many_even_slots_as_odd(repeat, rounds):
+    """A disk whose reads alternate fast and slow must not favour either side (bench.read_order)."""
+    from kvstore.bench import read_order
+
+    order = read_order(repeat, rounds)
+    assert order.count("store") == order.count("ceiling") == rounds
+    for side in ("store", "ceiling"):
+        slots = [i for i, name in enumerate(order) if name == side]
+        assert sum(i % 2 for i in slots) * 2 == len(slots), (side, order)
+
+
+def test_three_rounds_would_favour_one_side():
+    from kvstore.bench import read_order
+
+    slots = [i for i, name in enumerate(read_order(0, 3)) if name == "ceiling"]
+    assert sum(i % 2 == 0 for i in slots) == 2  # two of three in the same phase: why the default is even

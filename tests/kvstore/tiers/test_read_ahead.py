@@ -13,7 +13,7 @@ from kvstore.checksum import layer_checksums
 from kvstore.tiers import direct_io, disk as disk_module
 from kvstore.tiers.base import BlockMeta
 from kvstore.tiers.disk import DiskTier
-from kvstore.tiers.read_ahead import ReadAhead, Record
+from kvstore.tiers.read_ahead import ReadAhead, Record, SpanBuffers
 
 LAYERS = 4
 NBYTES = LAYERS * 3001  # unaligned on purpose
@@ -127,3 +127,51 @@ def test_records_back_to_back_in_one_file_are_read_together_up_to_the_span_size(
     assert [[r.key for r in s.records] for s in _spans(records, 1 << 20)] == [[b"a", b"b", b"c"], [b"d"], [b"e"]]
     assert [[r.key for r in s.records] for s in _spans(records, 12288)] == [[b"a", b"b"], [b"c"], [b"d"], [b"e"]]
     assert [s.nbytes for s in _spans(records, 4096)] == [4096, 8192, 4096, 4096, 4096]  # one record may exceed it
+
+
+def test_consecutive_runs_reuse_the_same_buffers(tier):
+    """A second load must not page-fault fresh mappings: its buffers are the first run's."""
+    keys = [key(i) for i in range(6)]
+    addresses = []
+    for _ in range(2):
+        tier.prefetch(keys)
+        run = tier._runs.current()
+        addresses.append(sorted(b.ctypes.data for b in run._free + [s.buffer for s in run._inflight]))
+        for i, payload in enumerate(tier.payloads):
+            dst = np.empty(NBYTES, np.uint8)
+            assert tier.read(key(i), dst) and np.array_equal(dst, payload)
+        assert tier._runs.current() is None
+    assert addresses[0] == addresses[1]
+    assert tier._runs.buffers.spare() == len(addresses[0])
+
+
+def test_span_buffers_keep_at_most_keep_and_never_an_odd_size():
+    pool = SpanBuffers(span_bytes=1 << 16, keep=2)
+    taken = [pool.take(4096) for _ in range(3)]
+    assert all(b.nbytes == 1 << 16 and b.ctypes.data % direct_io.ALIGN == 0 for b in taken)
+    big = pool.take(1 << 17)  # one record larger than a span: a one-off buffer
+    assert big.nbytes == 1 << 17
+    for b in taken + [big]:
+        pool.give(b)
+    assert pool.spare() == 2
+    assert pool.take(100).ctypes.data in {b.ctypes.data for b in taken}
+    pool.clear()
+    assert pool.spare() == 0
+
+
+def test_a_closed_run_gives_its_buffers_back_even_with_reads_in_flight(tmp_path):
+    path = str(tmp_path / "f.bin")
+    np.zeros(64 * 4096, np.uint8).tofile(path)
+    fd = direct_io.open_direct(path)
+    if fd is None:
+        pytest.skip("this file system has no O_DIRECT")
+    pool = SpanBuffers(span_bytes=8192, keep=8)
+    try:
+        with ThreadPoolExecutor(1) as reader:
+            records = [Record(bytes([i]), 1, fd, i * 8192, 8192) for i in range(16)]
+            run = ReadAhead(reader, records, depth=3, buffers=pool)
+            assert run.take(bytes([0]), 1, 0) is not None
+            run.close()  # one span taken, two in flight or done, thirteen never started
+    finally:
+        os.close(fd)
+    assert pool.spare() == 3
