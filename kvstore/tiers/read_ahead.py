@@ -47,7 +47,8 @@ class SpanBuffers:
     three faulted-in buffers of one run cost 55-80 ms each, about 0.2 s of a 1.1 GiB load that
     otherwise takes 0.4-1 s. So a run takes its buffers from here and gives them back when it
     closes; at most ``keep`` spare buffers are kept (the rest are unmapped). A run needing a
-    larger buffer (one record over ``span_bytes``) gets a one-off one. Thread-safe.
+    larger buffer (one record over ``span_bytes``) gets a one-off one. Thread-safe. Disk tiers
+    share ``SHARED_BUFFERS``, so a process holds at most ``keep`` spares however many tiers it opens.
     """
 
     def __init__(self, span_bytes: int = DEFAULT_SPAN_BYTES, keep: int = DEFAULT_KEEP):
@@ -103,14 +104,17 @@ class _Span:
         return self.records[-1].offset + self.records[-1].length - self.records[0].offset
 
 
+SHARED_BUFFERS = SpanBuffers()
+
+
 class ReadAhead:
     def __init__(self, reader: ThreadPoolExecutor, records: list[Record], depth: int = DEFAULT_DEPTH,
                  owners: tuple = (), buffers: SpanBuffers | None = None):
         """Start reading the first ``depth`` spans of ``records`` into buffers from ``buffers``
-        (default: a private pool). ``owners`` are kept referenced until ``close`` (the segments
+        (default: ``SHARED_BUFFERS``). ``owners`` are kept referenced until ``close`` (the segments
         whose descriptors the records name)."""
         self._reader = reader
-        self._buffers = buffers if buffers is not None else SpanBuffers()
+        self._buffers = buffers if buffers is not None else SHARED_BUFFERS
         self._pending = collections.deque(_spans(records, self._buffers.span_bytes))
         self._owners = owners
         size = max((s.nbytes for s in self._pending), default=0)
@@ -197,7 +201,7 @@ class ThreadRuns:
     def __init__(self, thread_name: str = "kvstore-disk-read"):
         self._local = threading.local()
         self._reader: ThreadPoolExecutor | None = None
-        self.buffers = SpanBuffers()
+        self.buffers = SHARED_BUFFERS
         self._lock = threading.Lock()
         self._thread_name = thread_name
 
@@ -225,4 +229,3 @@ class ThreadRuns:
         """Wait for the reader thread (call once no thread starts runs any more)."""
         if self._reader is not None:
             self._reader.shutdown(wait=True)
-        self.buffers.clear()

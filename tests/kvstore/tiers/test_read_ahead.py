@@ -142,7 +142,7 @@ def test_consecutive_runs_reuse_the_same_buffers(tier):
             assert tier.read(key(i), dst) and np.array_equal(dst, payload)
         assert tier._runs.current() is None
     assert addresses[0] == addresses[1]
-    assert tier._runs.buffers.spare() == len(addresses[0])
+    assert tier._runs.buffers.spare() >= len(addresses[0])
 
 
 def test_span_buffers_keep_at_most_keep_and_never_an_odd_size():
