@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from connectors.base import LoadFailed, LoadHandle, PageBytes
+from kvstore.buffers import aligned_empty
 from kvstore.layout import BlockSpec
 
 log = logging.getLogger("connectors")
@@ -38,7 +39,7 @@ def load_targets(hit, block_hashes: Sequence[bytes], pages: Sequence[int]) -> tu
 
 def gather_block(spec: BlockSpec, pool: PageBytes, page: int) -> np.ndarray:
     """A fresh [block_bytes] uint8 payload with every layer of ``page``, laid out as the store lays it out."""
-    payload = np.empty(spec.block_bytes, np.uint8)
+    payload = aligned_empty(spec.block_bytes)  # page-aligned: the disk tier writes it with no copy
     for layer in range(spec.num_layers):
         offset, size = spec.layer_range(layer)
         payload[offset : offset + size] = host_view(pool.layer_page_bytes(layer, page))

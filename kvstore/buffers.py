@@ -41,6 +41,18 @@ def byte_view(buf, writable: bool = False) -> np.ndarray:
     return view
 
 
+def aligned_empty(nbytes: int, align: int = 4096) -> np.ndarray:
+    """An uninitialised ``[nbytes]`` uint8 array whose first byte sits on an ``align`` boundary.
+
+    Payloads put from page-aligned memory reach the disk tier with no copy: O_DIRECT writes them
+    straight from where they lie (``kvstore.tiers.direct_io``); others go through a bounce buffer.
+    Host-tier slots are page-aligned already; this is for buffers a caller fills itself.
+    """
+    raw = np.empty(nbytes + align, np.uint8)
+    start = -raw.ctypes.data % align
+    return raw[start : start + nbytes]  # the view keeps ``raw`` alive
+
+
 def check_size(view: np.ndarray, expected: int, what: str) -> None:
     if view.nbytes != expected:
         raise InvalidRequest(f"{what} has {view.nbytes} bytes, expected exactly {expected}")

@@ -17,6 +17,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from kvstore.buffers import aligned_empty
 from kvstore.errors import InvalidRequest
 from kvstore.service.limits import LimitExceeded
 
@@ -70,7 +71,7 @@ class BlockAssembler:
                 f"{self.what}: chunk at block {block_index} offset {offset} of {len(data)} bytes runs past the "
                 f"declared {self.num_blocks} blocks of {self.block_bytes} bytes")
         if block_index == len(self._buffers):
-            self._buffers.append(np.empty(self.block_bytes, np.uint8))
+            self._buffers.append(aligned_empty(self.block_bytes))  # written to disk with no copy
         self._buffers[block_index][offset : offset + len(data)] = np.frombuffer(data, np.uint8)
         self.received += len(data)
 

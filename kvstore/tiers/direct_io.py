@@ -2,18 +2,21 @@
 
 O_DIRECT needs the file offset, the length and the memory address aligned (4 KiB here), and
 callers' buffers are not. So a read covers the aligned span around the wanted bytes, lands in
-this thread's bounce buffer (an anonymous mapping: page-aligned), and the caller gets a view of
+this thread's page-aligned bounce buffer, and the caller gets a view of
 just the wanted bytes, valid until its thread's next read. Cold reads then run at the device's
 rate with large requests (buffered reads of a cold file go at the speed of the kernel's
 readahead window, which on this machine was under half the O_DIRECT rate), and they do not fill
 the page cache with bytes the host tier already holds.
 
-Writes go the same way: a record is assembled in this thread's write bounce buffer (header,
-payload, zero padding to the aligned footprint) and written with one O_DIRECT ``pwrite``. Against
-buffered appends with early writeback this measured the same median here (0.83x and 0.87x of a
-raw O_DIRECT 4 MiB stream) but without the bimodal stalls of dirty-page throttling (single runs
-of buffered appends ranged 0.45x-1.1x, O_DIRECT 0.68x-1.1x), and it keeps the disk tier's bytes
-out of the page cache, which the host tier already plays.
+Writes: a payload in page-aligned memory (host-tier slots, ``kvstore.buffers.aligned_empty``) is
+written in place, one ``pwritev`` of [header page, the payload's whole pages, its last partial
+page with the padding], only the two edge pages copied. Other payloads are assembled in this
+thread's write bounce buffer (header, payload, zero padding) and written from there. For 2.9 MiB
+records here the in-place path ran at 1.0x a raw O_DIRECT 4 MiB stream, the bounce path at 0.67x
+(the copy and the device take turns). Against buffered appends with early writeback, O_DIRECT
+avoids the bimodal stalls of dirty-page throttling (single runs of buffered appends ranged
+0.45x-1.1x) and keeps the disk tier's bytes out of the page cache, which the host tier already
+plays.
 
 File systems without O_DIRECT (tmpfs) make ``open_direct`` return None: callers use buffered I/O.
 """
@@ -21,12 +24,13 @@ File systems without O_DIRECT (tmpfs) make ``open_direct`` return None: callers 
 from __future__ import annotations
 
 import errno
-import mmap
 import os
 import threading
 from concurrent.futures import Executor
 
 import numpy as np
+
+from kvstore.buffers import aligned_empty
 
 ALIGN = 4096
 FIRST_WRITE = 1 << 20  # a record's first write when its copy overlaps the device (``writer``)
@@ -51,7 +55,7 @@ def _bounce(nbytes: int, use: str = "read") -> np.ndarray:
     """This thread's page-aligned scratch for ``use`` of at least ``nbytes`` (grows, never shrinks)."""
     buf = getattr(_local, use, None)
     if buf is None or len(buf) < nbytes:
-        buf = aligned_buffer(max(nbytes, 8 << 20))
+        buf = aligned_empty(max(nbytes, 8 << 20), ALIGN)
         setattr(_local, use, buf)
     return buf
 
@@ -90,11 +94,6 @@ def read_record_direct(fd: int, header_at: int, data_at: int, nbytes: int,
     return header_page, read_direct(fd, data_at, nbytes)
 
 
-def aligned_buffer(nbytes: int) -> np.ndarray:
-    """A page-aligned ``[nbytes]`` uint8 buffer (an anonymous mapping, kept alive by the array)."""
-    return np.frombuffer(mmap.mmap(-1, max(nbytes, 1)), np.uint8)
-
-
 def assemble_record(span: np.ndarray, header: bytes, payload: np.ndarray, start: int = 0, end: int | None = None) -> None:
     """Fill ``span[start:end]`` (flat ``uint8``; default all of it) with those bytes of the record
     ``header``, ``payload`` (flat ``uint8``), zeros."""
@@ -127,6 +126,9 @@ def write_record_direct(fd: int, offset: int, header: bytes, payload: np.ndarray
     ``FIRST_WRITE`` bytes are on their way to the device while the rest are copied into the
     bounce buffer, so the copy and the device overlap instead of taking turns."""
     assert offset % ALIGN == 0 and size % ALIGN == 0 and len(header) + payload.nbytes <= size, "unaligned record"
+    if writes_in_place(header, payload):
+        write_record_in_place(fd, offset, header, payload, size)
+        return
     span = _bounce(size, "write")[:size]
     if writer is None or size <= FIRST_WRITE:
         assemble_record(span, header, payload)
@@ -139,3 +141,27 @@ def write_record_direct(fd: int, offset: int, header: bytes, payload: np.ndarray
     finally:
         first.result()  # the buffer is this thread's: no write may outlive the call
     write_all(fd, span[FIRST_WRITE:], offset + FIRST_WRITE)
+
+
+def writes_in_place(header: bytes, payload: np.ndarray) -> bool:
+    """Whether ``write_record_direct`` can write ``payload`` (flat ``uint8``) from where it lies:
+    its address page-aligned, and the header a whole number of pages so that the payload starts on
+    a page in the file too. Host-tier slots and pinned staging buffers are page-aligned."""
+    return len(header) % ALIGN == 0 and payload.ctypes.data % ALIGN == 0 and payload.flags.c_contiguous
+
+
+def write_record_in_place(fd: int, offset: int, header: bytes, payload: np.ndarray, size: int) -> None:
+    """One O_DIRECT ``pwritev`` of the record with no copy of the payload's whole pages: the header
+    page(s) and the payload's last partial page (with the zero padding) go through this thread's
+    small bounce buffer, the payload's whole pages straight from the caller's memory."""
+    whole = payload.nbytes // ALIGN * ALIGN
+    tail = size - len(header) - whole  # the partial page and zeros, up to the footprint
+    edges = _bounce(len(header) + tail, "edges")
+    edges[: len(header)] = np.frombuffer(header, np.uint8)
+    edges[len(header) : len(header) + payload.nbytes - whole] = payload[whole:]
+    edges[len(header) + payload.nbytes - whole : len(header) + tail] = 0
+    pieces = [edges[: len(header)], payload[:whole], edges[len(header) : len(header) + tail]]
+    pieces = [p for p in pieces if p.nbytes]
+    written = os.pwritev(fd, pieces, offset)
+    if written != size:
+        raise OSError(errno.EIO, f"short write: {written} of {size} bytes")

@@ -33,7 +33,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kvstore.tiers.direct_io import aligned_buffer, read_direct_into
+from kvstore.buffers import aligned_empty
+from kvstore.tiers.direct_io import read_direct_into
 
 DEFAULT_DEPTH = 3  # buffers: the reader fills the next ones while the caller works through one
 DEFAULT_SPAN_BYTES = 16 << 20  # 3 x 16 MiB beat 2 x 8 MiB by 15-20% on cold 1.1 GiB loads here
@@ -60,11 +61,11 @@ class SpanBuffers:
     def take(self, nbytes: int) -> np.ndarray:
         """A page-aligned buffer of at least ``nbytes`` (its contents are arbitrary)."""
         if nbytes > self.span_bytes:
-            return aligned_buffer(nbytes)
+            return aligned_empty(nbytes)
         with self._lock:
             if self._spare:
                 return self._spare.pop()
-        return aligned_buffer(self.span_bytes)
+        return aligned_empty(self.span_bytes)
 
     def give(self, buffer: np.ndarray) -> None:
         """Return a buffer from ``take``; no read may be writing into it any more."""

@@ -38,6 +38,8 @@ def test_bench_json_reports_every_figure_and_ratio(tmp_path):
     assert result["block"]["block_bytes"] == 3_076_352
     assert 1.0 <= result["ratios"]["disk_bytes_per_payload_byte"] < 1.5
     assert len(result["figures"]["disk_samples_gbps"]["read_cold"]) == result["repeats"] * result["read_rounds"]
+    assert len(result["figures"]["disk_samples_gbps"]["write_unaligned"]) == result["repeats"]
+    assert result["figures"]["disk_write_unaligned_gbps"] > 0 and "bounce" in result["method"]["write"]
     assert os.listdir(tmp_path) == [], "the benchmark cleans up its files"
 
 

@@ -6,6 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
+from kvstore.buffers import aligned_empty
 from kvstore.tiers import direct_io
 from kvstore.tiers.base import BlockMeta
 from kvstore.tiers.disk import DiskTier
@@ -119,9 +120,41 @@ def _direct_segment(tmp_path, writable=True):
     return path, fd
 
 
+def _unaligned(data: np.ndarray) -> np.ndarray:
+    """``data`` copied to an address 16 bytes past a page boundary (the bounce-buffer path)."""
+    out = aligned_empty(data.nbytes + 16)[16:]
+    out[:] = data
+    return out
+
+
+@pytest.mark.parametrize("nbytes", [3 * 4096 + 256, 3 * 4096, 100])
+def test_page_aligned_payloads_are_written_in_place(tmp_path, monkeypatch, nbytes):
+    path, fd = _direct_segment(tmp_path)
+    payload = aligned_empty(nbytes)
+    payload[:] = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
+    monkeypatch.setattr(direct_io, "assemble_record", lambda *a, **k: pytest.fail("payload went through the bounce buffer"))
+    size = 4096 + -(-nbytes // 4096) * 4096
+    try:
+        direct_io.write_record_direct(fd, 4096, b"R" * 4096, payload, size)
+    finally:
+        os.close(fd)
+    raw = np.fromfile(path, np.uint8)
+    assert raw.nbytes == 4096 + size and not raw[:4096].any()
+    assert raw[4096:8192].tobytes() == b"R" * 4096
+    assert np.array_equal(raw[8192 : 8192 + nbytes], payload) and not raw[8192 + nbytes :].any()
+
+
+def test_only_page_aligned_contiguous_payloads_behind_whole_header_pages_go_in_place():
+    aligned = aligned_empty(3 * 4096)
+    assert direct_io.writes_in_place(b"R" * 4096, aligned)
+    assert not direct_io.writes_in_place(b"R" * 100, aligned)  # the payload would start mid-page in the file
+    assert not direct_io.writes_in_place(b"R" * 4096, aligned[16:])
+    assert not direct_io.writes_in_place(b"R" * 4096, aligned.reshape(3, 4096)[:, :2048])
+
+
 def test_a_large_record_written_in_two_overlapped_writes_lands_whole(tmp_path):
     path, fd = _direct_segment(tmp_path)
-    payload = np.random.default_rng(4).integers(0, 256, direct_io.FIRST_WRITE + 777_777, dtype=np.uint8)
+    payload = _unaligned(np.random.default_rng(4).integers(0, 256, direct_io.FIRST_WRITE + 777_777, dtype=np.uint8))
     size = (4096 + payload.nbytes + 4095) // 4096 * 4096
     with ThreadPoolExecutor(1) as writer:
         try:
@@ -136,7 +169,7 @@ def test_a_large_record_written_in_two_overlapped_writes_lands_whole(tmp_path):
 
 def test_a_failed_overlapped_write_raises_and_leaves_no_write_running(tmp_path):
     path, fd = _direct_segment(tmp_path, writable=False)  # read-only: every write fails
-    payload = np.ones(direct_io.FIRST_WRITE * 2, np.uint8)
+    payload = _unaligned(np.ones(direct_io.FIRST_WRITE * 2, np.uint8))
     with ThreadPoolExecutor(1) as writer:
         try:
             with pytest.raises(OSError):
