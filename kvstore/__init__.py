@@ -4,6 +4,7 @@ The one public object is ``TieredStore`` (built from a ``StoreConfig``); keys co
 ``kvstore.keys``, byte geometry from ``kvstore.layout``.
 """
 
+from kvstore.buffers import aligned_empty
 from kvstore.config import DiskConfig, HostConfig, StoreConfig
 from kvstore.errors import InvalidRequest, KVStoreError, UnknownLease, UnknownNamespace
 from kvstore.keys import Namespace, chain_hashes, namespace_hashes
@@ -14,5 +15,5 @@ from kvstore.store import TieredStore
 __all__ = [
     "BlockSpec", "DiskConfig", "HostConfig", "InvalidRequest", "KVStoreError", "LoadResult",
     "LookupResult", "Namespace", "PutResult", "StoreConfig", "StoreStats", "TieredStore",
-    "UnknownLease", "UnknownNamespace", "chain_hashes", "namespace_hashes",
+    "UnknownLease", "UnknownNamespace", "aligned_empty", "chain_hashes", "namespace_hashes",
 ]

@@ -11,6 +11,7 @@ from kvstore.tiers import direct_io
 from kvstore.tiers.base import BlockMeta
 from kvstore.tiers.disk import DiskTier
 from kvstore.checksum import layer_checksums
+from tests.conftest import payloads_for
 
 
 @pytest.fixture
@@ -208,3 +209,25 @@ def test_direct_reads_of_a_truncated_segment_are_a_miss(tmp_path):
     assert not tier.read(b"k" * 32, np.zeros_like(payload))
     assert not tier.contains(b"k" * 32)
     tier.close()
+
+
+def test_write_through_from_host_slots_reaches_disk_with_no_bounce_copy(make_store, namespace, spec, chain,
+                                                                         tmp_path, monkeypatch):
+    store = make_store()
+    if store.tiers[1].direct_io is False:
+        pytest.skip("this file system has no O_DIRECT")
+    in_place = []
+    write = direct_io.write_record_in_place
+    monkeypatch.setattr(direct_io, "write_record_in_place", lambda *a: (in_place.append(a[1]), write(*a)))
+    monkeypatch.setattr(direct_io, "assemble_record", lambda *a, **k: pytest.fail("a host slot went through the bounce buffer"))
+    ns_id = store.register_namespace(namespace)
+    payloads = payloads_for(spec, chain)
+    assert store.put(ns_id, chain, payloads).stored == len(chain)
+    store.flush()  # write-through runs on the store's writer thread
+    store.close()
+    assert len(in_place) == len(chain)
+    disk_only = make_store(host_bytes=None)
+    ns_id = disk_only.register_namespace(namespace)
+    dsts = [np.zeros(spec.block_bytes, np.uint8) for _ in chain]
+    assert disk_only.load(ns_id, chain, dsts).loaded_blocks == len(chain)
+    assert all(np.array_equal(d, p) for d, p in zip(dsts, payloads))
