@@ -145,6 +145,17 @@ def test_page_aligned_payloads_are_written_in_place(tmp_path, monkeypatch, nbyte
     assert np.array_equal(raw[8192 : 8192 + nbytes], payload) and not raw[8192 + nbytes :].any()
 
 
+def test_a_failed_in_place_write_raises_and_leaves_the_file_empty(tmp_path):
+    path, fd = _direct_segment(tmp_path, writable=False)  # read-only: every write fails
+    payload = aligned_empty(3 * 4096 + 256)
+    try:
+        with pytest.raises(OSError):
+            direct_io.write_record_direct(fd, 0, b"R" * 4096, payload, 5 * 4096)
+    finally:
+        os.close(fd)
+    assert os.path.getsize(path) == 0
+
+
 def test_only_page_aligned_contiguous_payloads_behind_whole_header_pages_go_in_place():
     aligned = aligned_empty(3 * 4096)
     assert direct_io.writes_in_place(b"R" * 4096, aligned)
