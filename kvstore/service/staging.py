@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvstore.buffers import aligned_empty
 from kvstore.checksum import layer_checksums
 from kvstore.errors import InvalidRequest, StoreClosed, UnknownLease
 from kvstore.service.limits import LimitExceeded
@@ -132,7 +133,7 @@ class StagingArea:
 
     def _copy_out(self, offset: int, nbytes: int) -> np.ndarray:
         spare = self._spare.get(nbytes)
-        copy = spare.pop() if spare else np.empty(nbytes, np.uint8)  # [nbytes] uint8
+        copy = spare.pop() if spare else aligned_empty(nbytes)  # [nbytes] uint8, page-aligned for the disk tier
         np.copyto(copy, self._arena[offset : offset + nbytes])
         return copy
 
