@@ -1,19 +1,43 @@
-"""The one native piece: kvstore._chain, the prefix hash chain's loop in C (see kvstore/_chain.c).
+"""The native pieces; everything else about the package lives in pyproject.toml.
 
-Everything else about the package lives in pyproject.toml. The extension is optional: it needs a C
-compiler and xxHash's header (Debian: libxxhash-dev, which `make` installs). Where either is
-missing the build warns and kvstore.keys falls back to its Python loop, which gives the same digests.
+- ``kvstore._chain``: the prefix hash chain's loop in C (kvstore/_chain.c). Needs a C compiler and
+  xxHash's header (Debian: libxxhash-dev); without them kvstore.keys falls back to its Python loop,
+  which gives the same digests.
+- ``kvstore.service._dataplane``: the sidecar's native data plane, a C++ gRPC server and client for
+  the bytes path (kvstore/service/_dataplane.cc, loaded with ctypes by kvstore.service.dataplane).
+  Needs g++ and gRPC's C++ library (Debian: g++, libgrpc++-dev, pkg-config); without them the
+  sidecar serves bytes through its Python Get alone.
+
+`make` installs every package both need. Both extensions are optional: a missing piece skips one.
 """
+
+import shlex
+import subprocess
 
 from setuptools import Extension, setup
 
+
+def pkg_config(*args: str) -> list[str] | None:
+    try:
+        out = subprocess.run(["pkg-config", *args], check=True, capture_output=True, text=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return shlex.split(out)
+
+
+def dataplane_extension() -> list[Extension]:
+    cflags, libs = pkg_config("--cflags", "grpc++"), pkg_config("--libs", "grpc++")
+    if cflags is None or libs is None:
+        print("warning: gRPC's C++ library not found (Debian: libgrpc++-dev pkg-config): "
+              "building without the sidecar's native data plane")
+        return []
+    return [Extension("kvstore.service._dataplane", sources=["kvstore/service/_dataplane.cc"], language="c++",
+                      extra_compile_args=["-O2", "-std=c++17", *cflags], extra_link_args=libs, optional=True)]
+
+
 setup(
     ext_modules=[
-        Extension(
-            "kvstore._chain",
-            sources=["kvstore/_chain.c"],
-            extra_compile_args=["-O3"],
-            optional=True,
-        )
+        Extension("kvstore._chain", sources=["kvstore/_chain.c"], extra_compile_args=["-O3"], optional=True),
+        *dataplane_extension(),
     ]
 )

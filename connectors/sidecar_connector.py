@@ -11,10 +11,11 @@ How each side maps onto the sidecar's calls (``KVStoreClient``), fast path chose
   is looked up by its first ones, the hit is a prefix anyway).
 - ``start_load``: a background thread calls ``GetSlots``, which leases the whole hit and says
   where its host-tier blocks sit in the sidecar's shared memory. Those are copied straight from
-  the mapping into the engine's pages (same host: one copy, no bytes through gRPC); the rest (disk
-  blocks, or all of them when the segment cannot be mapped: another host or container) come
-  through ``Get`` calls of at most ``max_transfer_blocks`` blocks into one reused set of host
-  buffers. Only once the slots' lease is released *successfully* (it was alive through every
+  the mapping into the engine's pages (same host: one copy, no bytes through gRPC). Where the
+  segment cannot be mapped (another host or container) the sidecar's native data plane streams
+  them instead (``ReadSlots``, ``max_transfer_blocks`` at a time through reused host buffers). The
+  rest (disk blocks, or everything when neither works) come through ``Get`` calls of at most
+  ``max_transfer_blocks`` blocks into one reused set of host buffers. Only once the slots' lease is released *successfully* (it was alive through every
   copy, so no slot was reused under us) are the layers signalled ready; if it expired meanwhile
   the load fails and the engine recomputes. Layers are therefore signalled together at the end
   (no per-layer overlap with compute, unlike ``StoreConnector``): the price of verifying the
@@ -111,7 +112,8 @@ class SidecarConnector(KVConnector):
             try:
                 in_memory = self.client.slot_views(grant)[: len(hashes)]  # same host: mapped shared memory
                 self._scatter(pool, pages, in_memory)
-                self._fetch_into(pool, hashes[len(in_memory):], pages[len(in_memory):])
+                done = len(in_memory) or self._stream_into(pool, pages, grant)  # another host: the data plane
+                self._fetch_into(pool, hashes[done:], pages[done:])
             finally:
                 intact = self.client.release_grant(grant)
             if not intact:  # the lease ran out while we copied: a slot may have been reused meanwhile
@@ -123,6 +125,18 @@ class SidecarConnector(KVConnector):
             self._end_lease(lease_id)
 
         return BackgroundLoad(hit.request_id, len(hashes), self.spec.num_layers, fetch_and_copy, finish, logger=log)
+
+    def _stream_into(self, pool: PageBytes, pages: list[int], grant) -> int:
+        """The grant's slots through the sidecar's data plane, ``max_transfer_blocks`` at a time;
+        returns how many leading blocks landed in their pages (0 without a data plane)."""
+        count = min(len(grant.slots), len(pages))
+        buffers = [np.empty(self.spec.block_bytes, np.uint8) for _ in range(min(self._batch, count))]
+        for start in range(0, count, self._batch):
+            dsts = buffers[: min(self._batch, count - start)]
+            if self.client.stream_slots(grant, dsts, start) != len(dsts):
+                return start
+            self._scatter(pool, pages[start : start + len(dsts)], dsts)
+        return count
 
     def _fetch_into(self, pool: PageBytes, hashes: list[bytes], pages: list[int]) -> None:
         """Whole blocks through Get (on disk, or a sidecar whose memory cannot be mapped here), in

@@ -5,7 +5,10 @@ subprocess (host tier only, on loopback) and read back into the same preallocate
 
     memcpy  numpy.copyto from in-process arrays: the ceiling
     shm     KVStoreClient.load_shm: GetSlots, copy from the mapped segment, Release
-    grpc    KVStoreClient.load: the bytes path (Get streams of at most max_transfer_blocks)
+    grpc    the bytes path a client on another host takes: KVStoreClient(shared_memory=False)
+            .load_shm, i.e. GetSlots, the native data plane's ReadSlots stream, Release
+    grpc_python  KVStoreClient.load: Python's Get streams (at most max_transfer_blocks each), what
+            the bytes path is where the data plane was not built
     tcp     one loopback TCP stream of the same bytes, 4 MiB sends, recv_into the buffers
     redis   a real redis-server (no persistence) through redis-py: one pipelined GET per block
 
@@ -31,6 +34,7 @@ import numpy as np
 from kvstore.errors import InvalidRequest
 from kvstore.keys import Namespace
 from kvstore.layout import BlockSpec
+from kvstore.service import dataplane
 from kvstore.service.client import KVStoreClient
 from kvstore.service.local import LocalSidecar
 
@@ -156,6 +160,8 @@ def run_sidecar_bench(blocks: int = 48, repeats: int = 3, lookup_calls: int = 50
 
     gbps = {}
     log(f"sidecar: {n} blocks of {block_bytes} bytes x {repeats} runs (memcpy, shm, gRPC, TCP, redis)")
+    if not dataplane.available():
+        log("sidecar: the native data plane was not built: the gRPC bytes path is Python's Get alone")
     gbps["memcpy"] = median_gbps(lambda: [np.copyto(d, p) for d, p in zip(dsts, payloads)], total, repeats)
     check()
     for name in ("put_shm", "put"):
@@ -163,7 +169,8 @@ def run_sidecar_bench(blocks: int = 48, repeats: int = 3, lookup_calls: int = 50
 
     sidecar = Sidecar(host_capacity)
     try:
-        with KVStoreClient(sidecar.address, timeout_s=120) as client:
+        with KVStoreClient(sidecar.address, timeout_s=120) as client, \
+                KVStoreClient(sidecar.address, timeout_s=120, shared_memory=False) as remote:
             client.wait_ready()
             ns_id = client.register_namespace(V32)
             _put_all(client.put_shm, ns_id, hashes, payloads)
@@ -172,12 +179,17 @@ def run_sidecar_bench(blocks: int = 48, repeats: int = 3, lookup_calls: int = 50
                 assert client.load_shm(ns_id, hashes, dsts).tiers == ("host",) * n
 
             def grpc_get():
+                assert remote.load_shm(ns_id, hashes, dsts).tiers == ("host",) * n
+
+            def grpc_python_get():
                 for start in range(0, n, 32):
                     assert client.load(ns_id, hashes[start : start + 32], dsts[start : start + 32]).complete
 
             gbps["shm"] = median_gbps(shm, total, repeats)
             check()
             gbps["grpc"] = median_gbps(grpc_get, total, repeats)
+            check()
+            gbps["grpc_python"] = median_gbps(grpc_python_get, total, repeats)
             check()
             p50, p99 = lookup_latencies(client, lookup_calls)
     finally:
@@ -215,6 +227,8 @@ def run_sidecar_bench(blocks: int = 48, repeats: int = 3, lookup_calls: int = 50
         "shm_put_vs_memcpy": round(gbps["put_shm"] / gbps["memcpy"], 3),
         "grpc_get_vs_tcp": round(gbps["grpc"] / gbps["tcp"], 3),
         "grpc_get_vs_redis": round(gbps["grpc"] / gbps["redis"], 3),
+        "grpc_python_get_vs_tcp": round(gbps["grpc_python"] / gbps["tcp"], 3),
+        "bytes_path": "dataplane" if dataplane.available() else "python",
         "lookup_128k_p50_s": round(p50, 6),
         "lookup_128k_p99_s": round(p99, 6),
     }
@@ -258,8 +272,9 @@ def format_sidecar(result: dict) -> str:
     rows = [
         ("get, shared memory", g["shm"], f"memcpy {g['memcpy']:.2f}", "shm_get_vs_memcpy"),
         ("put, shared memory", g["put_shm"], f"memcpy {g['memcpy']:.2f}", "shm_put_vs_memcpy"),
-        ("get, gRPC bytes", g["grpc"], f"TCP {g['tcp']:.2f}", "grpc_get_vs_tcp"),
-        ("get, gRPC bytes", g["grpc"], f"redis {g['redis']:.2f}", "grpc_get_vs_redis"),
+        (f"get, gRPC {result['bytes_path']}", g["grpc"], f"TCP {g['tcp']:.2f}", "grpc_get_vs_tcp"),
+        (f"get, gRPC {result['bytes_path']}", g["grpc"], f"redis {g['redis']:.2f}", "grpc_get_vs_redis"),
+        ("get, gRPC python Get", g["grpc_python"], f"TCP {g['tcp']:.2f}", "grpc_python_get_vs_tcp"),
         ("put, gRPC bytes", g["put"], "", None),
     ]
     lines = [f"sidecar: {result['blocks']} blocks x {result['block_bytes']:,} bytes, median of {result['repeats']}",

@@ -1,12 +1,14 @@
 """The ``kvstore serve`` flags and their handler (also runnable as ``python -m kvstore.service``).
 
-    kvstore serve [--config FILE] [--address HOST:PORT|unix:PATH] [--http-address HOST:PORT|off] [--data-dir DIR]
+    kvstore serve [--config FILE] [--address HOST:PORT|unix:PATH] [--http-address HOST:PORT|off]
+                  [--data-address HOST:PORT|auto|off] [--data-dir DIR]
                   [--host-capacity SIZE] [--disk-capacity SIZE] [--staging-capacity SIZE]
                   [--token-file FILE] [--tls-cert PEM --tls-key PEM] [--allow-plaintext]
                   [--protect-metrics] [--durable-puts] [--shutdown-grace-s S]
 
 Flags override ``KVSTORE_*`` variables (kvstore.config, kvstore.service.config), which override
 a ``--config`` TOML file (kvstore.service.config_file), which overrides the embedded defaults: gRPC on 127.0.0.1:50551, HTTP (metrics, dashboard) on 127.0.0.1:50552, the
+native data plane for cross-host gets on the gRPC host and a free port (advertised by GetSlots), the
 disk tier under ~/.local/share/kvstore/disk, auto sizes (a quarter of available memory for the
 host tier, half the free disk for the disk tier). Prints ``kvstore serve: listening on ADDRESS``
 once it accepts calls, then ``kvstore serve: dashboard on URL`` (unless HTTP is off).
@@ -37,6 +39,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disk-capacity", help="disk tier size, e.g. 200GiB; 0 disables it (default: auto)")
     parser.add_argument("--http-address", help="HOST:PORT for /metrics, /healthz and the dashboard, or 'off' "
                         "(default 127.0.0.1:50552)")
+    parser.add_argument("--data-address", help="HOST:PORT of the native data plane that streams host-tier "
+                        "blocks to clients on other hosts, 'auto' (the --address host, any free port) or 'off' "
+                        "(default auto)")
     parser.add_argument("--staging-capacity", help="shared-memory staging for same-host puts, e.g. 256MiB; 0 "
                         "disables it (default 256MiB)")
     parser.add_argument("--token-file", help="file whose first line is the bearer token clients must send "
@@ -82,7 +87,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     environ = layered_environment(args.config)
     staging = parse_size(args.staging_capacity) if args.staging_capacity is not None else None
-    config = ServeConfig.from_env(environ, address=args.address, http_address=args.http_address, token_file=args.token_file,
+    config = ServeConfig.from_env(environ, address=args.address, http_address=args.http_address,
+                                  data_address=args.data_address, token_file=args.token_file,
                                   tls_cert=args.tls_cert, tls_key=args.tls_key, allow_plaintext=args.allow_plaintext,
                                   protect_metrics=args.protect_metrics, durable_puts=args.durable_puts,
                                   staging_bytes=staging, shutdown_grace_s=args.shutdown_grace_s,

@@ -25,7 +25,9 @@ Same host, gets: ``load_shm`` takes the fast path (``kvstore.service.shm``): one
 the hit and says where its host-tier blocks sit in the sidecar's shared-memory segment; they are
 copied straight from a read-only mapping (cached per segment path) into ``dsts``, the rest of the
 hit comes through Get, then the lease is released. A client that cannot map the segment (another
-host or container) gets every block through Get, with the same result.
+host or container) has the same host-tier blocks streamed by the sidecar's native data plane
+(``kvstore.service.dataplane``: BlockData.ReadSlots on the port GetSlots names, at the host of
+``target``), and every block through Get where there is none; the result is the same.
 
 It knows the wire and the segment layout only: no caching of blocks. Thread-safe: one client may
 serve many threads.
@@ -33,7 +35,9 @@ serve many threads.
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 import uuid
 from typing import Iterator, Sequence
 
@@ -45,7 +49,7 @@ from kvstore.errors import InvalidRequest
 from kvstore.keys import Namespace
 from kvstore.checksum import layer_checksums, layers_match
 from kvstore.results import LoadResult, LookupResult, PutResult, StoreStats
-from kvstore.service import wire
+from kvstore.service import dataplane, wire
 from kvstore.service.chunk_codec import decode_chunk
 from kvstore.service.chunks import BlockAssembler, check_block_bytes, iter_chunks
 from kvstore.service import security
@@ -58,12 +62,18 @@ from kvstore.service.v1.kvstore_pb2_grpc import KVStoreStub
 from kvstore.tiers.host import HostTier
 
 
+log = logging.getLogger(__name__)
+
+
 class KVStoreClient:
     def __init__(self, target: str, timeout_s: float | None = 60.0, limits: ServiceLimits = ServiceLimits(),
-                 token: str | None = None, root_certificates: bytes | None = None):
+                 token: str | None = None, root_certificates: bytes | None = None, *,
+                 shared_memory: bool = True, data_plane: bool = True):
         """``target``: ``HOST:PORT`` or ``unix:PATH``. ``timeout_s`` bounds every call (None: no bound);
         ``limits`` must match the server's (chunk and message sizes). ``token``: the sidecar's bearer
-        token (None: from the environment, if set there); ``root_certificates``: PEM roots for TLS."""
+        token (None: from the environment, if set there); ``root_certificates``: PEM roots for TLS.
+        ``shared_memory=False`` never maps the sidecar's segments (behaves as from another host);
+        ``data_plane=False`` never uses the native data plane (Get carries every byte)."""
         keep_heap_for_transfers()  # Get's messages and gRPC's read buffers: no page faults per transfer
         options = limits.channel_options()
         root_certificates = root_certificates if root_certificates is not None else _ca_from_env()
@@ -82,6 +92,9 @@ class KVStoreClient:
                                                  request_serializer=pb.GetRequest.SerializeToString)
         self._timeout = timeout_s
         self._limits = limits
+        self._shared_memory = shared_memory
+        self._data_plane = _DataPlaneLink(target, root_certificates, token, self.client_id) \
+            if data_plane and dataplane.available() else None
         self._segments = SegmentMaps()
         self._staging = SegmentMaps(writable=True)
         self._staging_refused = False
@@ -135,12 +148,14 @@ class KVStoreClient:
 
     def load_shm(self, ns_id: bytes, block_hashes: Sequence[bytes], dsts: Sequence, lease_ttl_s: float = 30.0,
                  verify: bool = False) -> LoadResult:
-        """``load`` through the same-host fast path; the same contract and result.
+        """``load`` through the fast paths; the same contract and result, except that buffers past
+        ``loaded_blocks`` may have been written (their bytes are no block's).
 
-        Host-tier blocks are copied from the mapped segment, the rest of the hit comes through
-        Get; blocks past the hit are not tried. ``verify`` checks each copied block's per-layer
-        checksums (a mismatch sends that block and the rest through Get). If the lease expired
-        before the copies were done, they are discarded and every block comes through Get.
+        Host-tier blocks are copied from the mapped segment (same host) or streamed by the data
+        plane (another host), the rest of the hit comes through Get; blocks past the hit are not
+        tried. ``verify`` checks each copied block's per-layer checksums (a mismatch sends that
+        block and the rest through Get). If the lease expired before the copies were done, they
+        are discarded and every block comes through Get.
         """
         if len(dsts) != len(block_hashes):
             raise InvalidRequest(f"{len(block_hashes)} block hashes but {len(dsts)} destination buffers")
@@ -164,6 +179,8 @@ class KVStoreClient:
     def slot_views(self, grant: SlotGrant) -> list[np.ndarray]:
         """Read-only ``[block_bytes]`` views of the grant's leading slots that can be mapped here
         (none on another host). Their bytes are the blocks' only while the grant's lease lives."""
+        if not self._shared_memory:
+            return []
         views = []
         for slot in grant.slots:
             source = self._segments.slot(grant.segment_path, slot.offset, slot.nbytes)
@@ -176,13 +193,30 @@ class KVStoreClient:
         """End the grant's lease; False when it had expired (copies taken from its slots are void)."""
         return grant.lease_id is None or self._release_if_held(grant.lease_id)
 
+    def stream_slots(self, grant: SlotGrant, dsts: Sequence, first_slot: int = 0) -> int:
+        """Copy the grant's slots ``[first_slot, first_slot + len(dsts))`` into ``dsts`` through the
+        sidecar's data plane (for a client that cannot map the segment). Returns ``len(dsts)``, or
+        0 where there is no data plane or the stream failed (``dsts`` then hold no block; take Get).
+        The bytes are the blocks' only if ``release_grant`` then returns True."""
+        if self._data_plane is None or not grant.data_grant or not dsts:
+            return 0
+        views = [byte_view(d, writable=True) for d in dsts]
+        slots = grant.slots[first_slot : first_slot + len(views)]
+        if len(slots) != len(views) or any(s.nbytes != v.nbytes for s, v in zip(slots, views)):
+            raise InvalidRequest(f"{len(views)} buffers do not match slots [{first_slot}, {first_slot + len(views)}) "
+                                 f"of a grant of {len(grant.slots)} slots of {grant.block_bytes} bytes")
+        return len(views) if self._data_plane.read(grant, views, first_slot, self._timeout) else 0
+
     def _copy_slots(self, grant: SlotGrant, views: Sequence, verify: bool) -> int:
         """Copy the leading slots into ``views``; returns how many blocks were copied."""
         sources = self.slot_views(grant)
+        if not sources and grant.slots and grant.block_bytes == views[0].nbytes:
+            sources = views[: self.stream_slots(grant, views[: len(grant.slots)])]  # streamed in place
         for i, source in enumerate(sources):
             if source.nbytes != views[i].nbytes:
                 return i
-            np.copyto(views[i], source)  # [block_bytes] uint8, memcpy with the GIL released
+            if source is not views[i]:
+                np.copyto(views[i], source)  # [block_bytes] uint8, memcpy with the GIL released
             if verify and not layers_match(views[i], grant.slots[i].layer_checksums):
                 return i
         return len(sources)
@@ -272,6 +306,8 @@ class KVStoreClient:
 
     def close(self) -> None:
         self._channel.close()
+        if self._data_plane is not None:
+            self._data_plane.close()
         self._segments.close()
         self._staging.close()
 
@@ -280,6 +316,65 @@ class KVStoreClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _DataPlaneLink:
+    """Channels to the data planes of the sidecar behind ``target`` (one per advertised port), and
+    the decision to stop trying them once one cannot be reached (a firewalled port)."""
+
+    def __init__(self, target: str, root_certificates: bytes | None, token: str | None, client_id: str):
+        self._host = data_plane_host(target)
+        self._credentials = (root_certificates, token, client_id)
+        self._clients: dict[int, dataplane.DataPlaneClient] = {}
+        self._unreachable = False
+        self._lock = threading.Lock()
+
+    def read(self, grant: SlotGrant, views: list[np.ndarray], first_slot: int, timeout_s: float | None) -> bool:
+        """True when the slots arrived whole; False (logged) when the stream failed."""
+        if self._unreachable:
+            return False
+        client = self._client(grant.data_port)
+        try:
+            client.read(grant.data_grant, views, first_slot, timeout_s=timeout_s)
+        except dataplane.DataPlaneError as exc:
+            if exc.code in (_UNAVAILABLE, _DEADLINE_EXCEEDED):
+                self._unreachable = True
+                log.warning("the sidecar's data plane at %s cannot be reached (%s): Get carries every block "
+                            "from now on", client.target, exc)
+            else:
+                log.debug("reading slots from the data plane failed: %s", exc)
+            return False
+        return True
+
+    def _client(self, port: int) -> dataplane.DataPlaneClient:
+        with self._lock:
+            if port not in self._clients:
+                root_certificates, token, client_id = self._credentials
+                self._clients[port] = dataplane.DataPlaneClient(f"{self._host}:{port}", token=token,
+                                                                root_certificates=root_certificates,
+                                                                client_id=client_id)
+            return self._clients[port]
+
+    def close(self) -> None:
+        with self._lock:
+            clients, self._clients = self._clients, {}
+        for client in clients.values():
+            client.close()
+
+
+_UNAVAILABLE, _DEADLINE_EXCEEDED = grpc.StatusCode.UNAVAILABLE.value[0], grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+
+
+def data_plane_host(target: str) -> str:
+    """The host part of a channel target, where the sidecar's data plane listens too (127.0.0.1
+    behind a unix socket): ``"10.0.0.5:50551"`` -> ``"10.0.0.5"``, ``"dns:///kv:50551"`` -> ``"kv"``."""
+    if target.startswith("unix:"):
+        return "127.0.0.1"
+    for scheme in ("dns:///", "dns:", "ipv4:", "ipv6:"):
+        if target.startswith(scheme):
+            target = target[len(scheme):]
+            break
+    return target.rsplit(":", 1)[0] if ":" in target else target
 
 
 def _ca_from_env() -> bytes | None:

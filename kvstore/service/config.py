@@ -4,6 +4,9 @@ Flags override the environment, the environment overrides the embedded defaults:
 
     KVSTORE_ADDRESS=127.0.0.1:50551       HOST:PORT, or unix:PATH for a unix socket
     KVSTORE_HTTP_ADDRESS=127.0.0.1:50552  metrics, /healthz and the dashboard; "off" disables it
+    KVSTORE_DATA_ADDRESS=auto             the native data plane (kvstore.service.dataplane): HOST:PORT,
+                                          "auto" (the gRPC address's host, any free port; 127.0.0.1
+                                          for a unix socket) or "off"
     KVSTORE_TOKEN / KVSTORE_TOKEN_FILE    the bearer token, or a file whose first line is it
     KVSTORE_TLS_CERT, KVSTORE_TLS_KEY     PEM files: gRPC (and HTTP) over TLS
     KVSTORE_ALLOW_PLAINTEXT=0             serve gRPC beyond loopback without TLS (trusted networks only)
@@ -15,7 +18,7 @@ Flags override the environment, the environment overrides the embedded defaults:
     KVSTORE_MAX_TRANSFER_BLOCKS=32        KVSTORE_MAX_CHUNK_BYTES=1MiB, KVSTORE_MAX_MESSAGE_BYTES=4MiB,
                                           KVSTORE_MAX_CONCURRENT_TRANSFERS=16
 
-Both addresses default to loopback. Beyond loopback the sidecar refuses to start without a bearer
+All three addresses default to loopback. Beyond loopback the sidecar refuses to start without a bearer
 token, and without TLS for gRPC (kvstore.service.security).
 """
 
@@ -33,8 +36,10 @@ from kvstore.service.staging import DEFAULT_STAGING_BYTES
 DEFAULT_ADDRESS = "127.0.0.1:50551"
 DEFAULT_HTTP_ADDRESS = "127.0.0.1:50552"
 HTTP_OFF = "off"
+DATA_OFF = "off"
+DATA_AUTO = "auto"
 
-_STRINGS = ("address", "http_address", "token", "token_file", "tls_cert", "tls_key")
+_STRINGS = ("address", "http_address", "data_address", "token", "token_file", "tls_cert", "tls_key")
 _BOOLS = ("allow_plaintext", "protect_metrics", "durable_puts", "check_integrity_on_exit")
 
 
@@ -42,6 +47,7 @@ _BOOLS = ("allow_plaintext", "protect_metrics", "durable_puts", "check_integrity
 class ServeConfig:
     address: str = DEFAULT_ADDRESS
     http_address: str = DEFAULT_HTTP_ADDRESS
+    data_address: str = DATA_AUTO
     token: str | None = None
     token_file: str | None = None
     tls_cert: str | None = None
@@ -59,10 +65,23 @@ class ServeConfig:
             raise InvalidRequest(f"address must be HOST:PORT or unix:PATH, got {self.address!r}")
         if self.http_address != HTTP_OFF and (self.http_address.startswith("unix:") or ":" not in self.http_address):
             raise InvalidRequest(f"http_address must be HOST:PORT or 'off', got {self.http_address!r}")
+        if self.data_address not in (DATA_OFF, DATA_AUTO) and (self.data_address.startswith("unix:")
+                                                                or ":" not in self.data_address):
+            raise InvalidRequest(f"data_address must be HOST:PORT, 'auto' or 'off', got {self.data_address!r}")
         if self.staging_bytes < 0:
             raise InvalidRequest(f"staging_bytes must not be negative, got {self.staging_bytes}")
         if self.shutdown_grace_s < 0:
             raise InvalidRequest(f"shutdown_grace_s must not be negative, got {self.shutdown_grace_s}")
+
+    def data_plane_address(self) -> str | None:
+        """Where the native data plane listens: None when off; "auto" resolves to the gRPC
+        address's host (127.0.0.1 behind a unix socket) and any free port."""
+        if self.data_address == DATA_OFF:
+            return None
+        if self.data_address != DATA_AUTO:
+            return self.data_address
+        host = "127.0.0.1" if self.address.startswith("unix:") else self.address.rsplit(":", 1)[0]
+        return f"{host}:0"
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> "ServeConfig":

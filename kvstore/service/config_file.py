@@ -29,7 +29,7 @@ from kvstore.service.limits import ServiceLimits
 
 STORE_KEYS = ("host_capacity", "host_page_bytes", "shm_dir", "disk_path", "disk_capacity", "durable", "direct_io", "policy",
               "write_policy", "promote_on_hit", "lease_ttl_s")
-SERVE_KEYS = ("address", "http_address", "token", "token_file", "tls_cert", "tls_key", "allow_plaintext",
+SERVE_KEYS = ("address", "http_address", "data_address", "token", "token_file", "tls_cert", "tls_key", "allow_plaintext",
               "protect_metrics", "staging_bytes", "durable_puts", "shutdown_grace_s",
               *(f.name for f in fields(ServiceLimits)))
 KNOWN_KEYS = frozenset(STORE_KEYS + SERVE_KEYS + ("data_dir",))

@@ -7,7 +7,9 @@ Two sources, one registry (``ServiceMetrics.registry``, served at ``/metrics``):
   put outcomes, errors by method and gRPC status, and latency histograms;
 - at scrape time, read from ``store.stats()`` by ``StoreCollector``: bytes read and written,
   evictions, demotions, promotions, checksum failures and I/O errors per tier, lease expiries,
-  and the gauges (bytes used and capacity per tier, blocks, namespaces, active leases).
+  and the gauges (bytes used and capacity per tier, blocks, namespaces, active leases); and,
+  where the sidecar runs its native data plane (``watch_data_plane``), its ReadSlots calls, bytes
+  sent, refusals and live grants (``DataPlaneCollector``, ``DATA_PLANE_METRIC_NAMES``).
 
 Everything is a counter or a gauge, never a ratio: PromQL computes rates, e.g. the token hit rate
 ``sum(rate(kvstore_hit_tokens_total[5m])) / sum(rate(kvstore_lookup_tokens_total[5m]))``.
@@ -32,7 +34,7 @@ from kvstore.store import TieredStore
 
 LATENCY_BUCKETS_S = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 OTHER_NAMESPACE = "other"
-LOAD_PATHS = ("bytes", "shm")  # Get streams the bytes; GetSlots hands out shared-memory slots
+LOAD_PATHS = ("bytes", "shm")  # Get streams the bytes; GetSlots leases slots (mapped, or streamed by the data plane)
 
 
 @dataclass(frozen=True)
@@ -90,7 +92,8 @@ class ServiceMetrics:
         self.hit_tokens = Counter("kvstore_hit_tokens", "Tokens of the contiguous hit of Lookup calls, by the "
                                   "tier serving them", ["namespace", "tier"], registry=r)
         self.loaded_tokens = Counter("kvstore_loaded_tokens", "Tokens handed to clients, by tier and path "
-                                     "(bytes: Get; shm: GetSlots)", ["tier", "path"], registry=r)
+                                     "(bytes: Get; shm: GetSlots, whose slots are mapped or streamed by the data "
+                                     "plane)", ["tier", "path"], registry=r)
         self.loaded_bytes = Counter("kvstore_loaded_bytes", "Payload bytes handed to clients, by tier and path",
                                     ["tier", "path"], registry=r)
         self.prefill_saved = Counter("kvstore_prefill_tokens_saved", "Prefill tokens engines skipped thanks to "
@@ -112,6 +115,10 @@ class ServiceMetrics:
         self._recent_lookups: collections.deque[LookupRecord] = collections.deque(maxlen=recent_lookups)
         self._recent_latencies = {kind: collections.deque(maxlen=recent_latencies) for kind in ("lookup", "load", "put")}
         self._lock = threading.Lock()
+
+    def watch_data_plane(self, data_plane) -> None:
+        """Export the counters of a ``DataPlaneServer`` (kvstore.service.dataplane) at scrape time."""
+        self.registry.register(DataPlaneCollector(data_plane))
 
     def namespace_label(self, ns_id: bytes) -> str:
         return self.namespaces.label(ns_id, self._model_of(ns_id))
@@ -233,6 +240,32 @@ class StoreCollector:
         yield GaugeMetricFamily("kvstore_namespaces", "Registered namespaces", value=stats.namespaces)
 
 
+class DataPlaneCollector:
+    """Scrape-time metrics of the native data plane, read from its counters."""
+
+    COUNTERS = (  # (metric name without _total, DataPlaneCounters field, help)
+        ("kvstore_dataplane_calls", "calls", "ReadSlots calls the native data plane received"),
+        ("kvstore_dataplane_sent_bytes", "bytes_sent", "Payload bytes the native data plane streamed"),
+        ("kvstore_dataplane_refused", "refused", "ReadSlots calls refused (unknown or expired grant, bad "
+         "request, no token)"),
+        ("kvstore_dataplane_cut_short", "cut_short", "ReadSlots streams the client cancelled or dropped"),
+    )
+
+    def __init__(self, data_plane):
+        self._data_plane = data_plane
+
+    def describe(self) -> Iterable:
+        return []
+
+    def collect(self) -> Iterable:
+        counters = self._data_plane.counters()
+        for name, field_name, help_text in self.COUNTERS:
+            yield CounterMetricFamily(name, help_text, value=getattr(counters, field_name))
+        yield GaugeMetricFamily("kvstore_dataplane_grants", "Grants of live leases the data plane holds",
+                                value=counters.live_grants)
+
+
+DATA_PLANE_METRIC_NAMES = (*(name + "_total" for name, _, _ in DataPlaneCollector.COUNTERS), "kvstore_dataplane_grants")
 METRIC_NAMES = (  # every sample family /metrics exports (counters with their _total suffix)
     "kvstore_lookups_total", "kvstore_lookup_tokens_total", "kvstore_hit_tokens_total",
     "kvstore_loaded_tokens_total", "kvstore_loaded_bytes_total", "kvstore_prefill_tokens_saved_total",

@@ -4,14 +4,16 @@
 ``serve`` runs one until SIGTERM or SIGINT, then shuts down gracefully:
 
     1. health turns NOT_SERVING, /healthz answers 503 (load balancers and probes stop sending work)
-    2. the server stops taking calls; in-flight calls get ``shutdown_grace_s`` to finish
+    2. the server and the native data plane stop taking calls; in-flight calls and streams get
+       ``shutdown_grace_s`` to finish
     3. worker threads still copying for a call are waited for
     4. the store closes: background writes drain and every tier flushes (the disk tier's index
        and segments are durable, so the next start serves what was put)
 
 Beside the KVStore service: the standard health service (grpc.health.v1, "" and
 "kvstore.v1.KVStore") and server reflection (so grpcurl and friends need no .proto). Beside the
-gRPC port: the HTTP server (kvstore.service.http) with /metrics, /healthz and the dashboard.
+gRPC port: the HTTP server (kvstore.service.http) with /metrics, /healthz and the dashboard, and
+the native data plane (kvstore.service.dataplane) that streams host-tier blocks to other hosts.
 Exposure rules (token, TLS) are kvstore.service.security's.
 """
 
@@ -29,12 +31,14 @@ from grpc_reflection.v1alpha import reflection
 
 from kvstore.config import StoreConfig
 from kvstore.errors import InvalidRequest
-from kvstore.service import security
+from kvstore.service import dataplane, security
 from kvstore.service.heap import keep_heap_for_transfers
 from kvstore.service.config import HTTP_OFF, ServeConfig
+from kvstore.service.dataplane import DataPlaneServer
 from kvstore.service.limits import ServiceLimits
 from kvstore.service.metrics import ServiceMetrics
 from kvstore.service.servicer import SERVICE_NAME, KVStoreServicer, add_to_server
+from kvstore.service.shm import host_tier
 from kvstore.service.staging import StagingArea
 from kvstore.store import TieredStore
 from kvstore.tiers.shm_segment import remove_stale_segments
@@ -45,16 +49,20 @@ log = logging.getLogger(__name__)
 async def create_server(address: str, store: TieredStore, limits: ServiceLimits = ServiceLimits(),
                         health: health_aio.HealthServicer | None = None, *, metrics: ServiceMetrics | None = None,
                         staging: StagingArea | None = None, durable_puts: bool = False, token: str | None = None,
-                        tls: tuple[bytes, bytes] | None = None) -> tuple[grpc.aio.Server, int]:
+                        tls: tuple[bytes, bytes] | None = None,
+                        data_plane: DataPlaneServer | None = None) -> tuple[grpc.aio.Server, int]:
     """A bound, not yet started server with the KVStore, health and reflection services.
 
     ``address`` is ``HOST:PORT`` (port 0 picks a free one) or ``unix:PATH``. Returns the server and
     the bound port (0 for a unix socket). Raises ``InvalidRequest`` if the address cannot be bound.
     ``token``: every call but health checks needs it; ``tls``: (cert chain, key) PEM bytes.
+    ``data_plane``: a started native data plane over the store's host tier, for GetSlots to grant to.
     """
     interceptors = [security.BearerAuthInterceptor(token)] if token else []
     server = grpc.aio.server(options=limits.channel_options(), interceptors=interceptors)
-    servicer = KVStoreServicer(store, limits, metrics, staging, durable_puts)
+    servicer = KVStoreServicer(store, limits, metrics, staging, durable_puts, data_plane)
+    if data_plane is not None:
+        servicer.metrics.watch_data_plane(data_plane)
     add_to_server(servicer, server)
     health = health or health_aio.HealthServicer()
     await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
@@ -83,6 +91,9 @@ async def serve(config: ServeConfig, store_config: StoreConfig, ready: Callable[
     token = security.load_token(config.token, config.token_file)
     tls = security.read_tls(config.tls_cert, config.tls_key)
     security.check_exposure("--address", config.address, token, tls is not None, config.allow_plaintext)
+    data_address = config.data_plane_address()
+    if data_address is not None:
+        security.check_exposure("--data-address", data_address, token, tls is not None, config.allow_plaintext)
     if config.http_address != HTTP_OFF:
         security.check_exposure("--http-address", config.http_address, token, tls is not None,
                                 config.allow_plaintext, needs_tls=False)
@@ -93,12 +104,14 @@ async def serve(config: ServeConfig, store_config: StoreConfig, ready: Callable[
         log.warning("removed the stale shared-memory segment %s of a dead sidecar", path)
     store = await asyncio.to_thread(store_config.open_store)  # a large host tier takes seconds to prefault
     staging = StagingArea(config.staging_bytes, shm_dir) if config.staging_bytes else None
-    http = sampler = None
+    http = sampler = data_plane = None
     try:
+        data_plane = start_data_plane(data_address, store, config.limits, token, tls)
         health = health_aio.HealthServicer()
         metrics = ServiceMetrics(store)
         server, port = await create_server(config.address, store, config.limits, health, metrics=metrics,
-                                           staging=staging, durable_puts=config.durable_puts, token=token, tls=tls)
+                                           staging=staging, durable_puts=config.durable_puts, token=token, tls=tls,
+                                           data_plane=data_plane)
         serving = asyncio.Event()
         if config.http_address != HTTP_OFF:
             from kvstore.service.dashboard import Dashboard  # FastAPI and uvicorn load only when HTTP is on
@@ -118,13 +131,18 @@ async def serve(config: ServeConfig, store_config: StoreConfig, ready: Callable[
         log.info("shutting down: %.1f s for in-flight calls", config.shutdown_grace_s)
         serving.clear()
         await health.enter_graceful_shutdown()
-        await server.stop(config.shutdown_grace_s)
+        stopping = [server.stop(config.shutdown_grace_s)]
+        if data_plane is not None:  # its streams get the same grace, at the same time
+            stopping.append(asyncio.to_thread(data_plane.stop, config.shutdown_grace_s))
+        await asyncio.gather(*stopping)
         await asyncio.get_running_loop().shutdown_default_executor()  # store calls still copying
     finally:
         if sampler is not None:
             sampler.cancel()
         if http is not None:
             await http.stop()
+        if data_plane is not None:
+            data_plane.stop(0)  # a no-op after a graceful shutdown
         if staging is not None:
             staging.close()
         try:
@@ -132,6 +150,23 @@ async def serve(config: ServeConfig, store_config: StoreConfig, ready: Callable[
                 _check_integrity(store)
         finally:
             store.close()
+
+
+def start_data_plane(address: str | None, store: TieredStore, limits: ServiceLimits, token: str | None,
+                     tls: tuple[bytes, bytes] | None) -> DataPlaneServer | None:
+    """The native data plane over the store's host tier at ``address``; None when it is off, there
+    is no host tier, or the library was not built (then other hosts get blocks through Get)."""
+    host = host_tier(store)
+    if address is None or host is None:
+        return None
+    if not dataplane.available():
+        log.warning("the native data plane was not built (needs g++, libgrpc++-dev, pkg-config at install): "
+                    "clients on other hosts get blocks through the slower Python Get")
+        return None
+    data_plane = DataPlaneServer(address, host.segment_path, tls=tls, token=token,
+                                 max_chunk_bytes=limits.max_chunk_bytes)
+    log.info("native data plane on %s", bound_address(address, data_plane.port))
+    return data_plane
 
 
 class IntegrityCheckFailed(Exception):

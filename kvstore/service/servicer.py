@@ -12,6 +12,7 @@ the ``kvstore-client`` metadata a client sends (else the connection's peer).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import inspect
 import time
@@ -23,6 +24,7 @@ from kvstore.errors import InvalidRequest, KVStoreError, StoreClosed, UnknownLea
 from kvstore.service import shm, wire
 from kvstore.service.chunk_codec import encode_chunk
 from kvstore.service.chunks import BlockAssembler, check_block_bytes, iter_chunks
+from kvstore.service.dataplane import DataPlaneServer
 from kvstore.service.limits import ClientLeases, LimitExceeded, ServiceLimits, TransferSlots
 from kvstore.service.metrics import ServiceMetrics
 from kvstore.service.staging import DEFAULT_RESERVATION_TTL_S, StagingArea
@@ -125,12 +127,15 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
 
     ``staging`` enables ReserveSlots/CommitSlots (None: they answer FAILED_PRECONDITION).
     ``durable_puts``: Put and CommitSlots answer only after the store flushed (disk tier fsynced),
-    and say so in ``PutResponse.durable``.
+    and say so in ``PutResponse.durable``. ``data_plane``: the native BlockData server over the host
+    tier's segment (kvstore.service.dataplane); GetSlots then grants its slots to it.
     """
 
     def __init__(self, store: TieredStore, limits: ServiceLimits, metrics: ServiceMetrics | None = None,
-                 staging: StagingArea | None = None, durable_puts: bool = False):
+                 staging: StagingArea | None = None, durable_puts: bool = False,
+                 data_plane: DataPlaneServer | None = None):
         self._store = store
+        self._data_plane = data_plane
         self._limits = limits
         self.metrics = metrics or ServiceMetrics(store)
         self._staging = staging
@@ -179,7 +184,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             started = time.perf_counter()
             result = await asyncio.to_thread(self._store.load, request.namespace_id, hashes, dsts, lease_id)
             if lease_id is not None:
-                self._leases.drop(lease_id)
+                self._lease_ended(lease_id)
             self.metrics.load(request.namespace_id, result.tiers, "bytes", time.perf_counter() - started)
             yield pb.GetResponse(header=pb.GetHeader(requested_blocks=len(hashes), tiers=result.tiers,
                                                      block_bytes=spec.block_bytes))
@@ -219,7 +224,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
                 pending.add_done_callback(lambda f: f.cancelled() or f.exception())
             if lease_id is not None:
                 await asyncio.to_thread(_end_lease, self._store, lease_id)
-                self._leases.drop(lease_id)
+                self._lease_ended(lease_id)
             self.metrics.load(request.namespace_id, tiers, "bytes", time.perf_counter() - started)
 
     @translate_errors
@@ -232,6 +237,10 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
                                         list(request.block_hashes), request.lease_ttl_s)
         if grant.lease_id is not None:
             self._leases.add(client, grant.lease_id, request.lease_ttl_s)
+        if self._data_plane is not None and grant.slots:
+            token = self._data_plane.grant(grant.lease_id, [(s.offset, s.nbytes) for s in grant.slots],
+                                           request.lease_ttl_s)
+            grant = dataclasses.replace(grant, data_grant=token, data_port=self._data_plane.port)
         self.metrics.load(request.namespace_id, ["host"] * len(grant.slots), "shm", time.perf_counter() - started)
         return wire.slots_to_proto(grant)
 
@@ -276,6 +285,11 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         finally:
             staging.recycle(payloads)  # the store copied them
 
+    def _lease_ended(self, lease_id: int) -> None:
+        self._leases.drop(lease_id)
+        if self._data_plane is not None:
+            self._data_plane.revoke(lease_id)
+
     async def _put(self, ns_id: bytes, hashes: list[bytes], payloads: list, parent: bytes | None,
                    started: float) -> pb.PutResponse:
         result = await asyncio.to_thread(self._store.put, ns_id, hashes, payloads, parent)
@@ -293,7 +307,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
 
     @translate_errors
     async def Release(self, request, context):
-        self._leases.drop(request.lease_id)
+        self._lease_ended(request.lease_id)
         await asyncio.to_thread(self._store.release, request.lease_id)
         return pb.ReleaseResponse()
 

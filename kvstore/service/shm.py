@@ -43,7 +43,9 @@ class Slot:
 @dataclass(frozen=True)
 class SlotGrant:
     """A lease on the ``hit_blocks`` leading hit blocks; ``slots[i]`` locates hit block ``i`` for
-    ``i < len(slots)`` (the leading run held by the host tier). The holder must release the lease."""
+    ``i < len(slots)`` (the leading run held by the host tier). The holder must release the lease.
+    ``data_grant`` and ``data_port``: set where the sidecar's native data plane can stream the slots
+    to a client that cannot map the segment (kvstore.service.dataplane)."""
 
     requested_blocks: int
     hit_blocks: int
@@ -52,6 +54,8 @@ class SlotGrant:
     lease_id: int | None
     lease_refused: bool
     block_bytes: int
+    data_grant: bytes = b""
+    data_port: int = 0
 
 
 def host_tier(store: TieredStore) -> HostTier | None:

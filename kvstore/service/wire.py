@@ -71,13 +71,14 @@ def slots_to_proto(grant: SlotGrant) -> pb.GetSlotsResponse:
     slots = [pb.Slot(offset=s.offset, nbytes=s.nbytes, layer_checksums=s.layer_checksums) for s in grant.slots]
     return pb.GetSlotsResponse(requested_blocks=grant.requested_blocks, hit_blocks=grant.hit_blocks,
                                segment_path=grant.segment_path, slots=slots, lease_id=grant.lease_id,
-                               lease_refused=grant.lease_refused, block_bytes=grant.block_bytes)
+                               lease_refused=grant.lease_refused, block_bytes=grant.block_bytes,
+                               data_grant=grant.data_grant, data_port=grant.data_port)
 
 
 def slots_from_proto(msg: pb.GetSlotsResponse) -> SlotGrant:
     slots = tuple(Slot(s.offset, s.nbytes, tuple(s.layer_checksums)) for s in msg.slots)
     return SlotGrant(msg.requested_blocks, msg.hit_blocks, msg.segment_path, slots, optional(msg, "lease_id"),
-                     msg.lease_refused, msg.block_bytes)
+                     msg.lease_refused, msg.block_bytes, msg.data_grant, msg.data_port)
 
 
 def put_header(message: pb.PutRequest | None) -> pb.PutHeader:

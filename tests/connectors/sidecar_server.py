@@ -9,23 +9,25 @@ import threading
 
 from kvstore.service.limits import ServiceLimits
 from kvstore.service.metrics import ServiceMetrics
-from kvstore.service.server import create_server
+from kvstore.service.server import create_server, start_data_plane
 from kvstore.service.staging import StagingArea
 
 
 class Sidecar:
-    """With a staging area for shared-memory puts unless ``staging=False``; ``metrics`` records its traffic."""
+    """With a staging area for shared-memory puts unless ``staging=False``, and the native data plane
+    with ``data_plane=True``; ``metrics`` records its traffic."""
 
     def __init__(self, store, limits: ServiceLimits = ServiceLimits(), address: str = "127.0.0.1:0",
-                 staging: bool = True):
+                 staging: bool = True, data_plane: bool = False):
         self.store = store
         self.metrics = ServiceMetrics(store)
         self.staging = StagingArea(8 << 20, page_bytes=1 << 20) if staging else None
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="sidecar-loop", daemon=True)
         self._thread.start()
+        self.data_plane = start_data_plane("127.0.0.1:0", store, limits, None, None) if data_plane else None
         self.server, port = self._run(create_server(address, store, limits, metrics=self.metrics,
-                                                    staging=self.staging))
+                                                    staging=self.staging, data_plane=self.data_plane))
         self._run(self.server.start())
         self.target = address if address.startswith("unix:") else f"127.0.0.1:{port}"
 
@@ -40,6 +42,8 @@ class Sidecar:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
         self.loop.close()
+        if self.data_plane is not None:
+            self.data_plane.stop()
         if self.staging is not None:
             self.staging.close()
 

@@ -16,6 +16,8 @@ from connectors.factory import OwningStoreConnector, connector_from_config
 from connectors.sidecar_connector import SidecarConnector
 from connectors.store_connector import StoreConnector
 from kvstore.keys import namespace_hashes
+from kvstore.service import dataplane
+from kvstore.service.client import KVStoreClient
 from kvstore.service.limits import ServiceLimits
 from tests.connectors.sidecar_server import Sidecar, unused_address
 from tests.connectors.test_store_connector import NS, SPEC, BytePool
@@ -100,6 +102,43 @@ def test_same_host_saves_and_loads_go_through_shared_memory_and_prefills_reach_t
     assert (("path", "bytes"), ("tier", "host")) not in totals["kvstore_loaded_tokens_total"], "no bytes over gRPC"
     assert totals["kvstore_prefill_tokens_saved_total"][(label,)] == 24
     assert totals["kvstore_prefill_tokens_computed_total"][(label,)] == 5
+    assert sidecar.store.stats().leases_active == 0
+
+
+@pytest.mark.parametrize("data_plane", [
+    pytest.param(True, marks=pytest.mark.skipif(not dataplane.available(), reason="the data plane was not built")),
+    False,
+])
+def test_an_engine_on_another_host_loads_through_the_data_plane_or_get(make_store, sidecars, connectors, data_plane):
+    """A client that cannot map the sidecar's segment (shared_memory=False stands for another host):
+    the host-tier blocks stream from the native data plane in batches of max_transfer_blocks, or
+    come through Get where the sidecar runs none; the pages are the same either way."""
+    limits = ServiceLimits(max_transfer_blocks=4)
+    sidecar = sidecars(make_store(), limits=limits, data_plane=data_plane)
+    hashes = namespace_hashes(NS, np.arange(4 * 10))  # 10 blocks: streams of 4 + 4 + 2
+    producer = connectors(sidecar.target, NS, limits=limits)
+    source = BytePool(10, seed=4)
+    producer.save("a", hashes, range(10), source, parent=None)
+    producer.flush()
+    with KVStoreClient(sidecar.target, limits=limits, shared_memory=False) as remote:
+        consumer = connectors(remote, NS, limits=limits)
+        hit = consumer.lookup("b", hashes)
+        target = BytePool(10)
+        assert consumer.start_load(hit, hashes, list(reversed(range(10))), target).wait() == 10
+        for layer in range(SPEC.num_layers):
+            for page in range(10):
+                assert torch.equal(target.layer_page_bytes(layer, 9 - page), source.layer_page_bytes(layer, page))
+        consumer.close()
+    loaded = sidecar.metrics.totals()["kvstore_loaded_tokens_total"]
+    if data_plane:
+        assert sidecar.data_plane.counters().bytes_sent == 10 * SPEC.block_bytes
+        assert sidecar.data_plane.counters().calls == 3 and sidecar.data_plane.counters().live_grants == 0
+        assert (("path", "bytes"), ("tier", "host")) not in loaded, "no payload bytes through Python's Get"
+        exported = sidecar.metrics.registry.get_sample_value
+        assert exported("kvstore_dataplane_sent_bytes_total") == 10 * SPEC.block_bytes
+        assert exported("kvstore_dataplane_calls_total") == 3 and exported("kvstore_dataplane_grants") == 0
+    else:
+        assert loaded[(("path", "bytes"), ("tier", "host"))] == 40
     assert sidecar.store.stats().leases_active == 0
 
 

@@ -6,6 +6,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ReadSlotsRequest(_message.Message):
+    __slots__ = ("grant", "chunk_bytes", "first_slot", "num_slots")
+    GRANT_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FIRST_SLOT_FIELD_NUMBER: _ClassVar[int]
+    NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    grant: bytes
+    chunk_bytes: int
+    first_slot: int
+    num_slots: int
+    def __init__(self, grant: _Optional[bytes] = ..., chunk_bytes: _Optional[int] = ..., first_slot: _Optional[int] = ..., num_slots: _Optional[int] = ...) -> None: ...
+
+class SlotBytes(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+
 class Namespace(_message.Message):
     __slots__ = ("model", "model_config_hash", "num_layers", "components", "block_size", "engine", "engine_version", "weights_hash", "cache_salt", "hash_algorithm", "extra")
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -151,7 +169,7 @@ class Slot(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., layer_checksums: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetSlotsResponse(_message.Message):
-    __slots__ = ("requested_blocks", "hit_blocks", "segment_path", "slots", "lease_id", "lease_refused", "block_bytes")
+    __slots__ = ("requested_blocks", "hit_blocks", "segment_path", "slots", "lease_id", "lease_refused", "block_bytes", "data_grant", "data_port")
     REQUESTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +177,8 @@ class GetSlotsResponse(_message.Message):
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_REFUSED_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DATA_GRANT_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     requested_blocks: int
     hit_blocks: int
     segment_path: str
@@ -166,7 +186,9 @@ class GetSlotsResponse(_message.Message):
     lease_id: int
     lease_refused: bool
     block_bytes: int
-    def __init__(self, requested_blocks: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., segment_path: _Optional[str] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., lease_id: _Optional[int] = ..., lease_refused: bool = ..., block_bytes: _Optional[int] = ...) -> None: ...
+    data_grant: bytes
+    data_port: int
+    def __init__(self, requested_blocks: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., segment_path: _Optional[str] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., lease_id: _Optional[int] = ..., lease_refused: bool = ..., block_bytes: _Optional[int] = ..., data_grant: _Optional[bytes] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class PutHeader(_message.Message):
     __slots__ = ("namespace_id", "block_hashes", "parent", "block_bytes")

@@ -7,6 +7,7 @@ the blocking ``KVStoreClient`` (or the raw stub, to send what the client never w
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import threading
 
 import grpc
@@ -82,3 +83,14 @@ def client(server):
 def stub(server):
     with grpc.insecure_channel(server.target) as channel:
         yield KVStoreStub(channel)
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory):
+    """A self-signed certificate for 127.0.0.1 and localhost (openssl)."""
+    directory = tmp_path_factory.mktemp("tls")
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    return str(cert), str(key)

@@ -27,6 +27,17 @@ def test_file_settings_become_the_variables_they_stand_for_and_the_environment_w
     assert store.disk.path == "/srv/kv/disk" and store.host.capacity_bytes == 1 << 30, "the environment wins"
 
 
+@pytest.mark.parametrize("address, data_address, resolved", [
+    ("127.0.0.1:50551", "auto", "127.0.0.1:0"), ("0.0.0.0:50551", "auto", "0.0.0.0:0"),
+    ("unix:/run/kv.sock", "auto", "127.0.0.1:0"), ("[::1]:50551", "auto", "[::1]:0"),
+    ("127.0.0.1:50551", "0.0.0.0:50553", "0.0.0.0:50553"), ("127.0.0.1:50551", "off", None),
+])
+def test_the_data_plane_listens_on_the_grpc_host_unless_told_otherwise(address, data_address, resolved):
+    environ = {"KVSTORE_ADDRESS": address, "KVSTORE_DATA_ADDRESS": data_address}
+    assert ServeConfig.from_env(environ).data_plane_address() == resolved
+    assert as_environment({"data_address": "off"}) == {"KVSTORE_DATA_ADDRESS": "off"}
+
+
 def test_unknown_keys_and_bad_values_are_clear_errors(tmp_path):
     with pytest.raises(InvalidRequest, match=r"unknown keys \['host_capacty'\]; known keys: .*'host_capacity'"):
         as_environment({"host_capacty": "1GiB"})

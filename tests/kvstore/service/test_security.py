@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-
 import grpc
 import numpy as np
 import pytest
@@ -52,17 +50,6 @@ def test_calls_without_the_token_are_unauthenticated_with_a_message_and_health_s
         assert trusted.put(ns_id, chain[:2], payloads).stored == 2
         dsts = [np.zeros(spec.block_bytes, np.uint8) for _ in range(2)]
         assert trusted.load(ns_id, chain[:2], dsts).complete and np.array_equal(dsts[1], payloads[1])
-
-
-@pytest.fixture(scope="module")
-def tls_files(tmp_path_factory):
-    """A self-signed certificate for 127.0.0.1 and localhost (openssl)."""
-    directory = tmp_path_factory.mktemp("tls")
-    cert, key = directory / "cert.pem", directory / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True)
-    return str(cert), str(key)
 
 
 def test_tls_server_serves_a_client_that_trusts_its_certificate_and_refuses_plaintext(store, start_server, tls_files,

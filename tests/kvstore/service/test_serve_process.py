@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvstore.service import dataplane
 from kvstore.service.client import KVStoreClient
 from kvstore.store import TieredStore
 from kvstore.tiers.disk import DiskTier
@@ -47,6 +48,10 @@ def test_serve_takes_traffic_then_sigterm_exits_cleanly_and_disk_persists(tmp_pa
             ns_id = client.register_namespace(namespace)
             assert client.put(ns_id, chain[:3], payloads).stored == 3
             assert client.lookup(ns_id, chain[:3]).tiers == ("host",) * 3
+        with KVStoreClient(address, timeout_s=30, shared_memory=False) as remote:  # as from another host
+            dsts = [np.zeros(spec.block_bytes, np.uint8) for _ in range(3)]
+            assert remote.load_shm(ns_id, chain[:3], dsts).tiers == ("host",) * 3
+            assert all(np.array_equal(d, p) for d, p in zip(dsts, payloads))
             with grpc.insecure_channel(address) as channel:
                 reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
                 assert reply.status == health_pb2.HealthCheckResponse.SERVING
@@ -56,6 +61,8 @@ def test_serve_takes_traffic_then_sigterm_exits_cleanly_and_disk_persists(tmp_pa
         with urllib.request.urlopen(url + "metrics", timeout=10) as reply:
             exposition = reply.read().decode()
         assert f'kvstore_put_blocks_total{{namespace="tiny-mla/{ns_id.hex()[:8]}",outcome="stored"}} 3.0' in exposition
+        if dataplane.available():  # the 3 blocks streamed by the native data plane, not Python's Get
+            assert f"kvstore_dataplane_sent_bytes_total {3.0 * spec.block_bytes}" in exposition
         process.send_signal(signal.SIGTERM)
         out, err = process.communicate(timeout=60)
     finally:
@@ -77,6 +84,12 @@ def test_serve_refuses_a_bad_address_with_a_message(tmp_path):
                           capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": REPO})
     assert done.returncode == 2
     assert "address must be HOST:PORT or unix:PATH, got 'nonsense'" in done.stderr
+    for data_address, message in (("nowhere", "data_address must be HOST:PORT, 'auto' or 'off', got 'nowhere'"),
+                                   ("0.0.0.0:0", "--data-address '0.0.0.0:0' is reachable from other hosts")):
+        done = subprocess.run([sys.executable, "-m", "kvstore.service", "--data-address", data_address, "--data-dir",
+                               str(tmp_path), "--host-capacity", "1MiB", "--disk-capacity", "16MiB"],
+                              capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": REPO})
+        assert done.returncode == 2 and message in done.stderr, done.stderr
 
 
 def test_an_integrity_failure_at_shutdown_is_named(make_store, monkeypatch):

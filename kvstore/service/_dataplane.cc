@@ -1,0 +1,665 @@
+// The sidecar's native data plane: the kvstore.v1.BlockData service (proto/.../kvstore.proto).
+//
+// Python's gRPC cannot move payload bytes fast enough across hosts: each side copies every
+// message twice in user space and its event loop thread saturates (README, "Sidecar benchmark").
+// This C++ gRPC server streams leased host-tier slots straight out of the shared-memory segment
+// (zero-copy slices: the transport reads the segment's pages itself), and the C++ client copies
+// each received slice once into the caller's buffers.
+//
+// The control plane stays in Python: GetSlots leases the blocks and registers a grant here (a
+// random token naming segment regions, valid until the lease ends or its TTL passes); each
+// ReadSlots presents the token and a range of those regions and receives their bytes in order,
+// chunked; the client then ends the lease with Release, whose NOT_FOUND (the lease expired, slots
+// may have been reused mid-copy) voids the copies exactly as on the shared-memory path.
+//
+// A C ABI for ctypes (kvstore/service/dataplane.py), not a Python module: functions return 0 or
+// a gRPC status code and write a message into the caller's error buffer.
+
+#include <grpcpp/generic/async_generic_service.h>
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/security/credentials.h>
+#include <grpcpp/security/server_credentials.h>
+#include <grpcpp/support/byte_buffer.h>
+#include <grpcpp/support/slice.h>
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace {
+
+constexpr char kMethod[] = "/kvstore.v1.BlockData/ReadSlots";
+constexpr int kProtocolError = -1;  // the stream's bytes do not match what the caller expects
+constexpr uint32_t kMaxChunkBytes = 16u << 20;
+constexpr int kLookaheadBytes = 64 << 20;  // HTTP/2 stream window: a whole transfer in flight
+
+using Clock = std::chrono::steady_clock;
+
+void set_error(char* err, size_t errlen, const std::string& message) {
+  if (err != nullptr && errlen > 0) std::snprintf(err, errlen, "%s", message.c_str());
+}
+
+// ---- protobuf wire format, the two small messages of BlockData --------------------------------
+
+void append_varint(std::string* out, uint64_t value) {
+  while (value >= 0x80) {
+    out->push_back(static_cast<char>((value & 0x7f) | 0x80));
+    value >>= 7;
+  }
+  out->push_back(static_cast<char>(value));
+}
+
+// Reads bytes across the slices of one received message.
+class SliceReader {
+ public:
+  explicit SliceReader(const std::vector<grpc::Slice>& slices) : slices_(slices) {}
+
+  bool done() {
+    skip_empty();
+    return index_ == slices_.size();
+  }
+
+  bool byte(uint8_t* out) {
+    skip_empty();
+    if (index_ == slices_.size()) return false;
+    *out = slices_[index_].begin()[offset_++];
+    return true;
+  }
+
+  bool varint(uint64_t* out) {
+    *out = 0;
+    for (int shift = 0; shift < 64; shift += 7) {
+      uint8_t b;
+      if (!byte(&b)) return false;
+      *out |= static_cast<uint64_t>(b & 0x7f) << shift;
+      if ((b & 0x80) == 0) return true;
+    }
+    return false;
+  }
+
+  // Hands the next n bytes to sink(pointer, length) piece by piece; false if fewer remain.
+  template <typename Sink>
+  bool take(uint64_t n, Sink sink) {
+    while (n > 0) {
+      skip_empty();
+      if (index_ == slices_.size()) return false;
+      size_t here = std::min<uint64_t>(n, slices_[index_].size() - offset_);
+      if (!sink(slices_[index_].begin() + offset_, here)) return false;
+      offset_ += here;
+      n -= here;
+    }
+    return true;
+  }
+
+  // Skips a field of the given wire type (its tag already read).
+  bool skip_field(uint64_t wire_type) {
+    uint64_t n;
+    switch (wire_type) {
+      case 0: return varint(&n);
+      case 1: return take(8, [](const uint8_t*, size_t) { return true; });
+      case 2: return varint(&n) && take(n, [](const uint8_t*, size_t) { return true; });
+      case 5: return take(4, [](const uint8_t*, size_t) { return true; });
+      default: return false;
+    }
+  }
+
+ private:
+  void skip_empty() {
+    while (index_ < slices_.size() && offset_ == slices_[index_].size()) {
+      ++index_;
+      offset_ = 0;
+    }
+  }
+
+  const std::vector<grpc::Slice>& slices_;
+  size_t index_ = 0;
+  size_t offset_ = 0;
+};
+
+std::vector<grpc::Slice> slices_of(grpc::ByteBuffer* buffer) {
+  std::vector<grpc::Slice> slices;
+  buffer->Dump(&slices);
+  return slices;
+}
+
+struct ReadRequest {
+  std::string grant;
+  uint32_t chunk_bytes = 0;
+  uint32_t first_slot = 0;
+  uint32_t num_slots = 0;  // 0: through the grant's last slot
+};
+
+uint32_t clamp32(uint64_t value) { return static_cast<uint32_t>(std::min<uint64_t>(value, UINT32_MAX)); }
+
+// ReadSlotsRequest { bytes grant = 1; uint32 chunk_bytes = 2; uint32 first_slot = 3; uint32 num_slots = 4; }
+bool parse_request(grpc::ByteBuffer* buffer, ReadRequest* request) {
+  std::string* grant = &request->grant;
+  std::vector<grpc::Slice> slices = slices_of(buffer);
+  SliceReader reader(slices);
+  while (!reader.done()) {
+    uint64_t tag, value;
+    if (!reader.varint(&tag)) return false;
+    if (tag == (1 << 3 | 2)) {
+      grant->clear();
+      if (!reader.varint(&value) || value > 1024) return false;
+      if (!reader.take(value, [grant](const uint8_t* p, size_t n) {
+            grant->append(reinterpret_cast<const char*>(p), n);
+            return true;
+          }))
+        return false;
+    } else if (tag == (2 << 3 | 0) || tag == (3 << 3 | 0) || tag == (4 << 3 | 0)) {
+      if (!reader.varint(&value)) return false;
+      uint32_t* field = tag == (2 << 3 | 0) ? &request->chunk_bytes
+                        : tag == (3 << 3 | 0) ? &request->first_slot : &request->num_slots;
+      *field = clamp32(value);
+    } else if (!reader.skip_field(tag & 7)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+std::string encode_request(const ReadRequest& request) {
+  std::string out;
+  out.push_back(1 << 3 | 2);
+  append_varint(&out, request.grant.size());
+  out += request.grant;
+  const std::pair<int, uint32_t> numbers[] = {{2, request.chunk_bytes}, {3, request.first_slot}, {4, request.num_slots}};
+  for (const auto& [field, value] : numbers) {
+    if (value == 0) continue;
+    out.push_back(static_cast<char>(field << 3 | 0));
+    append_varint(&out, value);
+  }
+  return out;
+}
+
+// ---- server ------------------------------------------------------------------------------------
+
+struct Region {
+  uint64_t offset;
+  uint64_t nbytes;
+};
+
+struct Grant {
+  std::vector<Region> regions;
+  Clock::time_point deadline;
+};
+
+struct Counters {
+  std::atomic<uint64_t> calls{0};
+  std::atomic<uint64_t> bytes{0};
+  std::atomic<uint64_t> refused{0};
+  std::atomic<uint64_t> failed{0};
+};
+
+bool constant_time_equal(const std::string& a, const std::string& b) {
+  if (a.size() != b.size()) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
+  return diff == 0;
+}
+
+class DataPlaneServer;
+
+// One ReadSlots call: read the request, take its grant, write every region in chunks, finish.
+// One operation is outstanding at a time, so the callbacks never run concurrently.
+class ReadSlotsReactor : public grpc::ServerGenericBidiReactor {
+ public:
+  ReadSlotsReactor(DataPlaneServer* server, grpc::GenericCallbackServerContext* context);
+  void OnReadDone(bool ok) override;
+  void OnWriteDone(bool ok) override;
+  void OnDone() override;
+
+ private:
+  void refuse(grpc::StatusCode code, const std::string& message);
+  void write_next();
+
+  DataPlaneServer* server_;
+  grpc::ByteBuffer request_;
+  grpc::ByteBuffer response_;
+  std::vector<Region> regions_;
+  uint32_t chunk_bytes_ = 0;
+  size_t region_ = 0;
+  uint64_t offset_ = 0;
+};
+
+class DataPlaneServer : public grpc::CallbackGenericService {
+ public:
+  DataPlaneServer(const uint8_t* base, size_t size, std::string bearer, uint32_t max_chunk_bytes)
+      : base_(base), size_(size), bearer_(std::move(bearer)), max_chunk_bytes_(max_chunk_bytes) {}
+
+  ~DataPlaneServer() override {
+    if (base_ != nullptr) munmap(const_cast<uint8_t*>(base_), size_);
+  }
+
+  grpc::ServerGenericBidiReactor* CreateReactor(grpc::GenericCallbackServerContext* context) override {
+    return new ReadSlotsReactor(this, context);
+  }
+
+  int grant(const std::string& token, std::vector<Region> regions, double ttl_s, char* err, size_t errlen) {
+    for (const Region& r : regions) {
+      if (r.offset > size_ || r.nbytes > size_ - r.offset) {
+        set_error(err, errlen, "region [" + std::to_string(r.offset) + ", +" + std::to_string(r.nbytes) +
+                                   ") lies outside the " + std::to_string(size_) + "-byte segment");
+        return static_cast<int>(grpc::StatusCode::INVALID_ARGUMENT);
+      }
+    }
+    auto ttl = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(ttl_s));
+    std::lock_guard<std::mutex> lock(mutex_);
+    purge_expired_locked();
+    grants_[token] = Grant{std::move(regions), Clock::now() + ttl};
+    return 0;
+  }
+
+  void revoke(const std::string& token) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    grants_.erase(token);
+  }
+
+  // The regions the request asks for out of its grant, or a status saying why not.
+  grpc::Status regions(const ReadRequest& request, std::vector<Region>* out) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = grants_.find(request.grant);
+    if (it == grants_.end())
+      return grpc::Status(grpc::StatusCode::NOT_FOUND,
+                          "unknown grant: its lease was released or never issued; call GetSlots again");
+    if (it->second.deadline <= Clock::now()) {
+      grants_.erase(it);
+      return grpc::Status(grpc::StatusCode::NOT_FOUND, "the grant's lease expired; call GetSlots again");
+    }
+    const std::vector<Region>& all = it->second.regions;
+    uint64_t first = request.first_slot;
+    uint64_t count = request.num_slots == 0 && first <= all.size() ? all.size() - first : request.num_slots;
+    if (first + count > all.size())
+      return grpc::Status(grpc::StatusCode::OUT_OF_RANGE,
+                          "slots [" + std::to_string(first) + ", " + std::to_string(first + count) +
+                              ") asked of a grant of " + std::to_string(all.size()));
+    out->assign(all.begin() + first, all.begin() + first + count);
+    return grpc::Status::OK;
+  }
+
+  bool authorized(grpc::GenericCallbackServerContext* context) const {
+    if (bearer_.empty()) return true;
+    const auto& metadata = context->client_metadata();
+    auto it = metadata.find("authorization");
+    if (it == metadata.end()) return false;
+    return constant_time_equal(std::string(it->second.data(), it->second.size()), "Bearer " + bearer_);
+  }
+
+  size_t active_grants() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    purge_expired_locked();
+    return grants_.size();
+  }
+
+  const uint8_t* base() const { return base_; }
+  uint32_t chunk_bytes(uint32_t asked) const { return asked == 0 ? max_chunk_bytes_ : std::min(asked, max_chunk_bytes_); }
+
+  Counters counters;
+  std::unique_ptr<grpc::Server> server;
+
+ private:
+  void purge_expired_locked() {
+    auto now = Clock::now();
+    for (auto it = grants_.begin(); it != grants_.end();) it = it->second.deadline <= now ? grants_.erase(it) : ++it;
+  }
+
+  const uint8_t* base_;
+  size_t size_;
+  std::string bearer_;
+  uint32_t max_chunk_bytes_;
+  std::mutex mutex_;
+  std::map<std::string, Grant> grants_;
+};
+
+ReadSlotsReactor::ReadSlotsReactor(DataPlaneServer* server, grpc::GenericCallbackServerContext* context)
+    : server_(server) {
+  server_->counters.calls++;
+  if (context->method() != kMethod) {
+    refuse(grpc::StatusCode::UNIMPLEMENTED, "the data plane serves " + std::string(kMethod) + " only");
+  } else if (!server_->authorized(context)) {
+    refuse(grpc::StatusCode::UNAUTHENTICATED, "missing or wrong bearer token (metadata authorization: Bearer TOKEN)");
+  } else {
+    StartRead(&request_);
+  }
+}
+
+void ReadSlotsReactor::refuse(grpc::StatusCode code, const std::string& message) {
+  server_->counters.refused++;
+  Finish(grpc::Status(code, message));
+}
+
+void ReadSlotsReactor::OnReadDone(bool ok) {
+  ReadRequest request;
+  if (!ok) return refuse(grpc::StatusCode::INVALID_ARGUMENT, "ReadSlots needs one ReadSlotsRequest");
+  if (!parse_request(&request_, &request))
+    return refuse(grpc::StatusCode::INVALID_ARGUMENT, "malformed ReadSlotsRequest");
+  grpc::Status status = server_->regions(request, &regions_);
+  if (!status.ok()) return refuse(status.error_code(), status.error_message());
+  chunk_bytes_ = server_->chunk_bytes(request.chunk_bytes);
+  write_next();
+}
+
+void ReadSlotsReactor::write_next() {
+  while (region_ < regions_.size() && offset_ == regions_[region_].nbytes) {
+    ++region_;
+    offset_ = 0;
+  }
+  if (region_ == regions_.size()) return Finish(grpc::Status::OK);
+  const Region& region = regions_[region_];
+  uint64_t n = std::min<uint64_t>(chunk_bytes_, region.nbytes - offset_);
+  std::string header(1, static_cast<char>(1 << 3 | 2));  // SlotBytes { bytes data = 1; }
+  append_varint(&header, n);
+  // The payload slice points into the segment: no copy in user space. The segment stays mapped
+  // until the server is destroyed, after every call has finished.
+  grpc::Slice slices[2] = {grpc::Slice(header), grpc::Slice(server_->base() + region.offset + offset_, n,
+                                                            grpc::Slice::STATIC_SLICE)};
+  response_ = grpc::ByteBuffer(slices, 2);
+  offset_ += n;
+  server_->counters.bytes += n;
+  StartWrite(&response_);
+}
+
+void ReadSlotsReactor::OnWriteDone(bool ok) {
+  if (!ok) {  // the client went away or the call was cancelled
+    server_->counters.failed++;
+    return Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the stream was cancelled"));
+  }
+  write_next();
+}
+
+void ReadSlotsReactor::OnDone() { delete this; }
+
+std::shared_ptr<grpc::ServerCredentials> server_credentials(const char* cert_pem, const char* key_pem) {
+  if (cert_pem == nullptr || key_pem == nullptr) return grpc::InsecureServerCredentials();
+  grpc::SslServerCredentialsOptions options;
+  options.pem_key_cert_pairs.push_back({key_pem, cert_pem});
+  return grpc::SslServerCredentials(options);
+}
+
+// ---- client ------------------------------------------------------------------------------------
+
+struct DataPlaneClient {
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<grpc::GenericStub> stub;
+  std::string bearer;
+  std::string client_id;
+};
+
+// Where received payload bytes go: the caller's buffers, filled in order.
+class Destinations {
+ public:
+  Destinations(size_t n, uint8_t* const* dsts, const uint64_t* sizes) : dsts_(dsts, dsts + n), sizes_(sizes, sizes + n) {
+    for (size_t i = 0; i < n; ++i) expected_ += sizes[i];
+  }
+
+  bool write(const uint8_t* p, size_t n) {
+    while (n > 0) {
+      if (index_ == dsts_.size()) return false;
+      size_t here = std::min<uint64_t>(n, sizes_[index_] - offset_);
+      std::memcpy(dsts_[index_] + offset_, p, here);
+      p += here;
+      n -= here;
+      offset_ += here;
+      received_ += here;
+      if (offset_ == sizes_[index_]) {
+        ++index_;
+        offset_ = 0;
+      }
+    }
+    return true;
+  }
+
+  uint64_t received() const { return received_; }
+  uint64_t expected() const { return expected_; }
+
+ private:
+  std::vector<uint8_t*> dsts_;
+  std::vector<uint64_t> sizes_;
+  size_t index_ = 0;
+  uint64_t offset_ = 0;
+  uint64_t received_ = 0;
+  uint64_t expected_ = 0;
+};
+
+// Copies the data fields of one SlotBytes message into dsts; false when it is malformed or overflows.
+bool consume_message(grpc::ByteBuffer* buffer, Destinations* dsts) {
+  std::vector<grpc::Slice> slices = slices_of(buffer);
+  SliceReader reader(slices);
+  while (!reader.done()) {
+    uint64_t tag, n;
+    if (!reader.varint(&tag)) return false;
+    if (tag != (1 << 3 | 2)) {
+      if (!reader.skip_field(tag & 7)) return false;
+      continue;
+    }
+    if (!reader.varint(&n)) return false;
+    if (!reader.take(n, [dsts](const uint8_t* p, size_t k) { return dsts->write(p, k); })) return false;
+  }
+  return true;
+}
+
+// The blocking ReadSlots call on its own completion queue (thread-safe: one queue per call).
+class ReadCall {
+ public:
+  explicit ReadCall(DataPlaneClient* client, double timeout_s) {
+    if (timeout_s > 0)
+      context_.set_deadline(std::chrono::system_clock::now() +
+                            std::chrono::duration_cast<std::chrono::system_clock::duration>(
+                                std::chrono::duration<double>(timeout_s)));
+    if (!client->bearer.empty()) context_.AddMetadata("authorization", "Bearer " + client->bearer);
+    if (!client->client_id.empty()) context_.AddMetadata("kvstore-client", client->client_id);
+    call_ = client->stub->PrepareCall(&context_, kMethod, &queue_);
+  }
+
+  ~ReadCall() {
+    queue_.Shutdown();
+    void* tag;
+    bool ok;
+    while (queue_.Next(&tag, &ok)) {
+    }
+  }
+
+  bool start(const std::string& request) {
+    grpc::Slice slice(request);
+    grpc::ByteBuffer buffer(&slice, 1);
+    call_->StartCall(nullptr);
+    if (!wait()) return false;
+    call_->Write(buffer, nullptr);
+    if (!wait()) return false;
+    call_->WritesDone(nullptr);
+    return wait();
+  }
+
+  bool read(grpc::ByteBuffer* buffer) {
+    call_->Read(buffer, nullptr);
+    return wait();
+  }
+
+  grpc::Status finish() {
+    grpc::Status status;
+    call_->Finish(&status, nullptr);
+    wait();
+    return status;
+  }
+
+  void cancel() { context_.TryCancel(); }
+
+ private:
+  bool wait() {
+    void* tag;
+    bool ok = false;
+    return queue_.Next(&tag, &ok) && ok;
+  }
+
+  grpc::ClientContext context_;
+  grpc::CompletionQueue queue_;
+  std::unique_ptr<grpc::GenericClientAsyncReaderWriter> call_;
+};
+
+grpc::ChannelArguments channel_arguments() {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(-1);
+  args.SetInt("grpc.http2.lookahead_bytes", kLookaheadBytes);
+  args.SetInt("grpc.http2.bdp_probe", 0);  // the fixed window above beats probing on loopback
+  return args;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Starts a server on address (HOST:PORT, port 0 picks one) over the segment file at segment_path,
+// mapped read-only. cert_pem/key_pem: TLS (both or neither); bearer: required token, or NULL.
+// Returns a handle and the bound port, or NULL with a message.
+void* kvdp_server_start(const char* address, const char* segment_path, const char* cert_pem, const char* key_pem,
+                        const char* bearer, uint32_t max_chunk_bytes, int* port, char* err, size_t errlen) {
+  if (max_chunk_bytes == 0 || max_chunk_bytes > kMaxChunkBytes) {
+    set_error(err, errlen, "max_chunk_bytes must be in (0, 16 MiB]");
+    return nullptr;
+  }
+  int fd = open(segment_path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    set_error(err, errlen, std::string("cannot open the segment ") + segment_path + ": " + std::strerror(errno));
+    return nullptr;
+  }
+  struct stat st;
+  void* base = (fstat(fd, &st) == 0 && st.st_size > 0) ? mmap(nullptr, st.st_size, PROT_READ, MAP_SHARED, fd, 0)
+                                                        : MAP_FAILED;
+  int map_errno = errno;
+  close(fd);
+  if (base == MAP_FAILED) {
+    set_error(err, errlen, std::string("cannot map the segment ") + segment_path + ": " + std::strerror(map_errno));
+    return nullptr;
+  }
+  auto* server = new DataPlaneServer(static_cast<const uint8_t*>(base), st.st_size, bearer ? bearer : "",
+                                     max_chunk_bytes);
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(address, server_credentials(cert_pem, key_pem), port);
+  builder.SetMaxReceiveMessageSize(64 << 10);  // requests are a token and a number
+  builder.AddChannelArgument("grpc.http2.lookahead_bytes", kLookaheadBytes);
+  builder.AddChannelArgument("grpc.so_reuseport", 0);  // a port in use is an error, not a shared port
+  builder.RegisterCallbackGenericService(server);
+  server->server = builder.BuildAndStart();
+  if (server->server == nullptr || *port == 0) {
+    set_error(err, errlen, std::string("cannot listen on ") + address + ": is it in use?");
+    server->server.reset();
+    delete server;
+    return nullptr;
+  }
+  return server;
+}
+
+// Lets ReadSlots calls with this token read the n regions (any range of them, in order) for
+// ttl_s seconds or until revoked.
+int kvdp_server_grant(void* handle, const uint8_t* token, size_t token_len, size_t n, const uint64_t* offsets,
+                      const uint64_t* sizes, double ttl_s, char* err, size_t errlen) {
+  std::vector<Region> regions(n);
+  for (size_t i = 0; i < n; ++i) regions[i] = Region{offsets[i], sizes[i]};
+  return static_cast<DataPlaneServer*>(handle)->grant(std::string(reinterpret_cast<const char*>(token), token_len),
+                                                       std::move(regions), ttl_s, err, errlen);
+}
+
+void kvdp_server_revoke(void* handle, const uint8_t* token, size_t token_len) {
+  static_cast<DataPlaneServer*>(handle)->revoke(std::string(reinterpret_cast<const char*>(token), token_len));
+}
+
+// out[0..4]: calls, payload bytes sent, calls refused, streams cut short, live grants.
+void kvdp_server_counters(void* handle, uint64_t* out) {
+  auto* server = static_cast<DataPlaneServer*>(handle);
+  out[0] = server->counters.calls;
+  out[1] = server->counters.bytes;
+  out[2] = server->counters.refused;
+  out[3] = server->counters.failed;
+  out[4] = server->active_grants();
+}
+
+// In-flight calls get grace_s to finish, then are cancelled; the segment is unmapped last.
+void kvdp_server_stop(void* handle, double grace_s) {
+  auto* server = static_cast<DataPlaneServer*>(handle);
+  server->server->Shutdown(std::chrono::system_clock::now() +
+                           std::chrono::duration_cast<std::chrono::system_clock::duration>(
+                               std::chrono::duration<double>(grace_s)));
+  server->server->Wait();
+  server->server.reset();
+  delete server;
+}
+
+// A channel to a data plane at target (HOST:PORT). root_pem: TLS roots, or NULL for plaintext.
+void* kvdp_client_open(const char* target, const char* root_pem, const char* bearer, const char* client_id,
+                       char* err, size_t errlen) {
+  std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
+  if (root_pem != nullptr) {
+    grpc::SslCredentialsOptions options;
+    options.pem_root_certs = root_pem;
+    credentials = grpc::SslCredentials(options);
+  }
+  auto channel = grpc::CreateCustomChannel(target, credentials, channel_arguments());
+  if (channel == nullptr) {
+    set_error(err, errlen, std::string("cannot create a channel to ") + target);
+    return nullptr;
+  }
+  auto* client = new DataPlaneClient{channel, std::make_unique<grpc::GenericStub>(channel), bearer ? bearer : "",
+                                     client_id ? client_id : ""};
+  return client;
+}
+
+// ReadSlots with grant, its slots [first_slot, first_slot + n): the stream's bytes fill dsts[0..n)
+// (sizes[i] bytes each) in order. Returns
+// 0 when exactly that many bytes arrived, a gRPC status code when the call failed, or -1 when the
+// stream's bytes did not fit the buffers; dsts then hold partial bytes the caller must discard.
+int kvdp_client_read(void* handle, const uint8_t* grant, size_t grant_len, uint32_t first_slot, size_t n,
+                     uint8_t* const* dsts, const uint64_t* sizes, uint32_t chunk_bytes, double timeout_s, char* err,
+                     size_t errlen) {
+  auto* client = static_cast<DataPlaneClient*>(handle);
+  Destinations destinations(n, dsts, sizes);
+  ReadCall call(client, timeout_s);
+  bool fits = true;
+  ReadRequest request{std::string(reinterpret_cast<const char*>(grant), grant_len), chunk_bytes, first_slot,
+                      clamp32(n)};
+  if (n == 0) return 0;  // num_slots 0 would mean "through the last"
+  if (call.start(encode_request(request))) {
+    grpc::ByteBuffer buffer;
+    while (call.read(&buffer)) {
+      if (!consume_message(&buffer, &destinations)) {
+        fits = false;
+        call.cancel();
+        break;
+      }
+    }
+  }
+  grpc::Status status = call.finish();
+  if (!fits) {
+    set_error(err, errlen, "the ReadSlots stream sent more bytes than the " + std::to_string(destinations.expected()) +
+                               " expected, or a malformed message");
+    return kProtocolError;
+  }
+  if (!status.ok()) {
+    set_error(err, errlen, status.error_message());
+    return static_cast<int>(status.error_code());
+  }
+  if (destinations.received() != destinations.expected()) {
+    set_error(err, errlen, "the ReadSlots stream ended after " + std::to_string(destinations.received()) + " of " +
+                               std::to_string(destinations.expected()) + " bytes");
+    return kProtocolError;
+  }
+  return 0;
+}
+
+void kvdp_client_close(void* handle) { delete static_cast<DataPlaneClient*>(handle); }
+
+}  // extern "C"

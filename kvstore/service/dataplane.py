@@ -1,0 +1,200 @@
+"""The sidecar's native data plane: the bytes path across hosts, in C++ (``_dataplane.cc``).
+
+Python's gRPC tops out near 0.4x a raw loopback TCP stream here however it is tuned (README,
+"Sidecar benchmark"), so payload bytes bound for another host leave through a second, native
+gRPC server in the sidecar process, the ``kvstore.v1.BlockData`` service:
+
+    GetSlots (Python, control)   leases the hit and, when the data plane runs, registers a grant:
+                                 a random token naming the leased slots' regions of the host
+                                 tier's segment, valid until the lease ends or its TTL passes
+    ReadSlots (C++, data)        presents the token and a range of its slots; their bytes stream
+                                 back in order as zero-copy slices of the mapped segment, chunked
+    Release (Python, control)    ends the lease and revokes an unused grant; NOT_FOUND means the
+                                 lease expired and the copies must be discarded (as for shm)
+
+``DataPlaneServer`` and ``DataPlaneClient`` wrap the C ABI with ctypes (the library is built by
+setup.py from gRPC's Debian C++ packages). ``available()`` is False where it was not built: the
+sidecar then advertises no data port and clients take Python's Get, with the same results.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.machinery
+import os
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Sequence
+
+from kvstore.buffers import byte_view
+from kvstore.errors import InvalidRequest, KVStoreError
+
+GRANT_BYTES = 16
+PROTOCOL_ERROR = -1  # kvdp_client_read: the stream's bytes did not fit the buffers
+_ERR_BYTES = 512
+_NOT_FOUND = 5  # grpc.StatusCode.NOT_FOUND's number
+
+
+class DataPlaneError(KVStoreError):
+    """A ReadSlots call failed; ``code`` is its gRPC status number (-1: the bytes did not fit)."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code
+
+    @property
+    def expired(self) -> bool:
+        """The grant was unknown or its lease had expired: GetSlots again (or take Get)."""
+        return self.code == _NOT_FOUND
+
+
+@lru_cache(maxsize=1)
+def _library() -> ctypes.CDLL | None:
+    here = os.path.dirname(__file__)
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = os.path.join(here, "_dataplane" + suffix)
+        if os.path.exists(path):
+            return _declare(ctypes.CDLL(path))
+    return None
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    c = ctypes
+    lib.kvdp_server_start.restype = c.c_void_p
+    lib.kvdp_server_start.argtypes = [c.c_char_p, c.c_char_p, c.c_char_p, c.c_char_p, c.c_char_p, c.c_uint32,
+                                      c.POINTER(c.c_int), c.c_char_p, c.c_size_t]
+    lib.kvdp_server_grant.argtypes = [c.c_void_p, c.c_char_p, c.c_size_t, c.c_size_t, c.POINTER(c.c_uint64),
+                                      c.POINTER(c.c_uint64), c.c_double, c.c_char_p, c.c_size_t]
+    lib.kvdp_server_revoke.argtypes = [c.c_void_p, c.c_char_p, c.c_size_t]
+    lib.kvdp_server_counters.argtypes = [c.c_void_p, c.POINTER(c.c_uint64)]
+    lib.kvdp_server_stop.argtypes = [c.c_void_p, c.c_double]
+    lib.kvdp_client_open.restype = c.c_void_p
+    lib.kvdp_client_open.argtypes = [c.c_char_p, c.c_char_p, c.c_char_p, c.c_char_p, c.c_char_p, c.c_size_t]
+    lib.kvdp_client_read.argtypes = [c.c_void_p, c.c_char_p, c.c_size_t, c.c_uint32, c.c_size_t, c.POINTER(c.c_void_p),
+                                     c.POINTER(c.c_uint64), c.c_uint32, c.c_double, c.c_char_p, c.c_size_t]
+    lib.kvdp_client_close.argtypes = [c.c_void_p]
+    return lib
+
+
+def available() -> bool:
+    """Whether the native library was built (setup.py; needs libgrpc++-dev)."""
+    return _library() is not None
+
+
+def _require() -> ctypes.CDLL:
+    lib = _library()
+    if lib is None:
+        raise KVStoreError("the native data plane was not built: install g++, libgrpc++-dev and pkg-config, "
+                           "then reinstall the package (make does both)")
+    return lib
+
+
+def _cstr(value: str | bytes | None) -> bytes | None:
+    return value.encode() if isinstance(value, str) else value
+
+
+def _u64_array(values: Sequence[int]):
+    return (ctypes.c_uint64 * len(values))(*values)
+
+
+@dataclass(frozen=True)
+class DataPlaneCounters:
+    calls: int
+    bytes_sent: int
+    refused: int
+    cut_short: int
+    live_grants: int
+
+
+class DataPlaneServer:
+    """The BlockData service on ``address`` (``HOST:PORT``; port 0 picks one) over the segment file
+    at ``segment_path`` (the host tier's), mapped read-only. ``tls``: (cert chain, key) PEM bytes;
+    ``token``: the bearer token every call must carry. Grants are keyed by lease id here."""
+
+    def __init__(self, address: str, segment_path: str, *, tls: tuple[bytes, bytes] | None = None,
+                 token: str | None = None, max_chunk_bytes: int = 1 << 20):
+        lib = _require()
+        if address.startswith("unix:") or ":" not in address:
+            raise InvalidRequest(f"the data plane listens on HOST:PORT, got {address!r}")
+        err, port = ctypes.create_string_buffer(_ERR_BYTES), ctypes.c_int(0)
+        cert, key = (tls[0], tls[1]) if tls else (None, None)
+        self._handle = lib.kvdp_server_start(address.encode(), segment_path.encode(), cert, key, _cstr(token),
+                                             max_chunk_bytes, ctypes.byref(port), err, _ERR_BYTES)
+        if not self._handle:
+            raise InvalidRequest(f"the data plane cannot start: {err.value.decode()}; give --data-address "
+                                 "HOST:PORT or 'off'")
+        self._lib = lib
+        self.port = port.value
+        self._grants: dict[int, tuple[bytes, float]] = {}  # lease id -> (token, deadline)
+        self._lock = threading.Lock()
+
+    def grant(self, lease_id: int, regions: Sequence[tuple[int, int]], ttl_s: float) -> bytes:
+        """A fresh token letting ReadSlots calls read ``regions`` ((offset, nbytes) each; any range of
+        them, in order) for ``ttl_s`` seconds (the lease's) or until ``revoke``. Raises
+        ``InvalidRequest`` for a region off the segment."""
+        token, err = secrets.token_bytes(GRANT_BYTES), ctypes.create_string_buffer(_ERR_BYTES)
+        offsets, sizes = _u64_array([r[0] for r in regions]), _u64_array([r[1] for r in regions])
+        if self._lib.kvdp_server_grant(self._handle, token, len(token), len(regions), offsets, sizes, ttl_s, err,
+                                       _ERR_BYTES):
+            raise InvalidRequest(err.value.decode())
+        with self._lock:
+            now = time.monotonic()
+            self._grants = {k: v for k, v in self._grants.items() if v[1] > now}  # expired ones are gone natively
+            self._grants[lease_id] = (token, now + ttl_s)
+        return token
+
+    def revoke(self, lease_id: int) -> None:
+        """Drop the grant of ``lease_id`` if any (its lease ended); a call already streaming goes on."""
+        with self._lock:
+            held = self._grants.pop(lease_id, None)
+        if held is not None:
+            self._lib.kvdp_server_revoke(self._handle, held[0], len(held[0]))
+
+    def counters(self) -> DataPlaneCounters:
+        out = (ctypes.c_uint64 * 5)()
+        self._lib.kvdp_server_counters(self._handle, out)
+        return DataPlaneCounters(*out)
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """Stop serving: in-flight calls get ``grace_s`` to finish. Idempotent."""
+        handle, self._handle = self._handle, None
+        if handle:
+            self._lib.kvdp_server_stop(handle, grace_s)
+
+
+class DataPlaneClient:
+    """A channel to one sidecar's data plane (``HOST:PORT``); thread-safe."""
+
+    def __init__(self, target: str, *, root_certificates: bytes | None = None, token: str | None = None,
+                 client_id: str = ""):
+        lib = _require()
+        err = ctypes.create_string_buffer(_ERR_BYTES)
+        self._handle = lib.kvdp_client_open(target.encode(), root_certificates, _cstr(token), client_id.encode(),
+                                            err, _ERR_BYTES)
+        if not self._handle:
+            raise InvalidRequest(err.value.decode())
+        self._lib = lib
+        self.target = target
+
+    def read(self, grant: bytes, dsts: Sequence, first_slot: int = 0, chunk_bytes: int = 0,
+             timeout_s: float | None = None) -> None:
+        """ReadSlots: the grant's slots ``[first_slot, first_slot + len(dsts))``, in order, into ``dsts``
+        (writable buffers of the slots' sizes). Raises ``DataPlaneError`` on any failure; ``dsts``
+        then hold partial bytes. The GIL is released for the whole call."""
+        views = [byte_view(d, writable=True) for d in dsts]
+        pointers = (ctypes.c_void_p * len(views))(*[v.ctypes.data for v in views])
+        sizes = _u64_array([v.nbytes for v in views])
+        err = ctypes.create_string_buffer(_ERR_BYTES)
+        code = self._lib.kvdp_client_read(self._handle, grant, len(grant), first_slot, len(views), pointers, sizes,
+                                          chunk_bytes, timeout_s or 0.0, err, _ERR_BYTES)
+        if code:
+            raise DataPlaneError(code, f"ReadSlots from {self.target}: {err.value.decode()}")
+
+    def close(self) -> None:
+        handle, self._handle = self._handle, None
+        if handle:
+            self._lib.kvdp_client_close(handle)
+

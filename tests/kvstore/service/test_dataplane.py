@@ -1,0 +1,264 @@
+"""The native data plane (kvstore.service.dataplane, _dataplane.cc) on its own: a real C++ gRPC
+server on port 0 over a segment file in tmp, read by the C++ client and by Python's generated
+stub (the wire contract), with grants, ranges, expiry, revocation, sizes, auth and TLS."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from kvstore.errors import InvalidRequest
+from kvstore.service import dataplane
+from kvstore.service.client import data_plane_host
+from kvstore.service.dataplane import DataPlaneClient, DataPlaneError, DataPlaneServer
+from kvstore.service.v1 import kvstore_pb2 as pb
+from kvstore.service.v1.kvstore_pb2_grpc import BlockDataStub
+
+pytestmark = pytest.mark.skipif(not dataplane.available(),
+                                reason="the native data plane was not built (make installs g++ and libgrpc++-dev)")
+
+SEGMENT_BYTES = 8 << 20
+REGIONS = [(17, 100_000), (300_001, 1 << 20), (2 << 20, 5), (4 << 20, 3 << 20)]  # odd offsets and sizes
+TOKEN = "s3cret-token"
+UNAUTHENTICATED, NOT_FOUND, OUT_OF_RANGE = 16, 5, 11
+
+
+@pytest.fixture(scope="module")
+def segment(tmp_path_factory):
+    path = tmp_path_factory.mktemp("dp") / "segment"
+    data = np.random.default_rng(7).integers(0, 256, SEGMENT_BYTES, dtype=np.uint8)  # [SEGMENT_BYTES]
+    data.tofile(path)
+    return str(path), data
+
+
+@pytest.fixture
+def served(segment):
+    server = DataPlaneServer("127.0.0.1:0", segment[0], max_chunk_bytes=256 << 10)
+    client = DataPlaneClient(f"127.0.0.1:{server.port}")
+    yield server, client
+    client.close()
+    server.stop()
+
+
+def buffers(regions) -> list[np.ndarray]:
+    return [np.zeros(nbytes, np.uint8) for _, nbytes in regions]
+
+
+def expect(segment, regions, dsts) -> None:
+    data = segment[1]
+    for (offset, nbytes), dst in zip(regions, dsts):
+        assert np.array_equal(dst, data[offset : offset + nbytes])
+
+
+def test_a_grant_streams_its_regions_byte_exact_in_order_and_any_range_of_them(segment, served):
+    server, client = served
+    grant = server.grant(1, REGIONS, ttl_s=30)
+    dsts = buffers(REGIONS)
+    client.read(grant, dsts)
+    expect(segment, REGIONS, dsts)
+    middle = buffers(REGIONS[1:3])
+    client.read(grant, middle, first_slot=1, chunk_bytes=4096)  # many messages per region
+    expect(segment, REGIONS[1:3], middle)
+    assert server.counters().bytes_sent == sum(n for _, n in REGIONS) + REGIONS[1][1] + REGIONS[2][1]
+    assert server.counters().live_grants == 1
+
+
+def test_a_revoked_or_expired_grant_is_not_found_and_a_range_past_it_out_of_range(served):
+    server, client = served
+    grant = server.grant(1, REGIONS, ttl_s=30)
+    with pytest.raises(DataPlaneError) as info:
+        client.read(grant, buffers(REGIONS[:2]), first_slot=3)
+    assert info.value.code == OUT_OF_RANGE and "slots [3, 5) asked of a grant of 4" in str(info.value)
+    server.revoke(1)
+    with pytest.raises(DataPlaneError) as info:
+        client.read(grant, buffers(REGIONS))
+    assert info.value.expired and "GetSlots again" in str(info.value)
+    short = server.grant(2, REGIONS, ttl_s=0.05)
+    time.sleep(0.1)
+    with pytest.raises(DataPlaneError) as info:
+        client.read(short, buffers(REGIONS))
+    assert info.value.code == NOT_FOUND and "expired" in str(info.value)
+    with pytest.raises(DataPlaneError) as info:
+        client.read(b"\x00" * 16, buffers(REGIONS))
+    assert info.value.expired
+    assert server.counters().live_grants == 0 and server.counters().refused == 4
+
+
+def test_buffers_that_do_not_match_the_regions_fail_the_read(served):
+    server, client = served
+    grant = server.grant(1, REGIONS, ttl_s=30)
+    too_small = buffers(REGIONS)
+    too_small[-1] = np.zeros(REGIONS[-1][1] - 1, np.uint8)
+    with pytest.raises(DataPlaneError) as info:
+        client.read(grant, too_small)
+    assert info.value.code == dataplane.PROTOCOL_ERROR and "more bytes than" in str(info.value)
+    too_large = buffers(REGIONS)
+    too_large[0] = np.zeros(REGIONS[0][1] + 1, np.uint8)
+    with pytest.raises(DataPlaneError) as info:
+        client.read(grant, too_large)
+    assert info.value.code == dataplane.PROTOCOL_ERROR and "ended after" in str(info.value)
+
+
+def test_a_region_off_the_segment_is_refused_at_grant_time(served):
+    server, _ = served
+    with pytest.raises(InvalidRequest, match="outside the 8388608-byte segment"):
+        server.grant(1, [(SEGMENT_BYTES - 10, 11)], ttl_s=30)
+    assert server.counters().live_grants == 0
+
+
+def test_pythons_generated_stub_reads_the_same_bytes(segment, served):
+    """The C++ side encodes the messages by hand: protobuf's own parser must agree."""
+    server, _ = served
+    grant = server.grant(1, REGIONS[:2], ttl_s=30)
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = BlockDataStub(channel)
+        data = b"".join(m.data for m in stub.ReadSlots(pb.ReadSlotsRequest(grant=grant, chunk_bytes=65536)))
+        raw = channel.unary_stream("/kvstore.v1.BlockData/ReadSlots")
+        with pytest.raises(grpc.RpcError) as info:
+            list(raw(b"\x0a\xff"))  # a length past the message's end
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        other = channel.unary_unary("/kvstore.v1.KVStore/Stats")
+        with pytest.raises(grpc.RpcError) as info:
+            other(b"")
+        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    expect(segment, REGIONS[:2], [np.frombuffer(data[: REGIONS[0][1]], np.uint8),
+                                  np.frombuffer(data[REGIONS[0][1] :], np.uint8)])
+
+
+def test_concurrent_readers_each_get_their_own_bytes(segment, served):
+    server, client = served
+    errors, results = [], {}
+
+    def read(i: int) -> None:
+        regions = [REGIONS[i % len(REGIONS)], REGIONS[(i + 1) % len(REGIONS)]]
+        try:
+            dsts = buffers(regions)
+            client.read(server.grant(100 + i, regions, ttl_s=30), dsts, chunk_bytes=8192)
+            results[i] = (regions, dsts)
+        except Exception as exc:  # noqa: BLE001 - surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and len(results) == 6
+    for regions, dsts in results.values():
+        expect(segment, regions, dsts)
+
+
+def test_the_bearer_token_is_required_when_configured(segment):
+    server = DataPlaneServer("127.0.0.1:0", segment[0], token=TOKEN)
+    try:
+        grant = server.grant(1, REGIONS[:1], ttl_s=30)
+        anonymous, wrong, right = (DataPlaneClient(f"127.0.0.1:{server.port}", token=t) for t in (None, "nope", TOKEN))
+        for client in (anonymous, wrong):
+            with pytest.raises(DataPlaneError) as info:
+                client.read(grant, buffers(REGIONS[:1]))
+            assert info.value.code == UNAUTHENTICATED and "bearer token" in str(info.value)
+        dsts = buffers(REGIONS[:1])
+        right.read(grant, dsts)
+        expect(segment, REGIONS[:1], dsts)
+        for client in (anonymous, wrong, right):
+            client.close()
+    finally:
+        server.stop()
+
+
+def test_tls_serves_a_client_that_trusts_the_certificate_only(segment, tls_files):
+    cert, key = (open(f, "rb").read() for f in tls_files)
+    server = DataPlaneServer("127.0.0.1:0", segment[0], tls=(cert, key))
+    try:
+        grant = server.grant(1, REGIONS[:1], ttl_s=30)
+        secure = DataPlaneClient(f"127.0.0.1:{server.port}", root_certificates=cert)
+        dsts = buffers(REGIONS[:1])
+        secure.read(grant, dsts, timeout_s=10)
+        expect(segment, REGIONS[:1], dsts)
+        plaintext = DataPlaneClient(f"127.0.0.1:{server.port}")
+        with pytest.raises(DataPlaneError) as info:
+            plaintext.read(grant, buffers(REGIONS[:1]), timeout_s=3)
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE.value[0]
+        secure.close()
+        plaintext.close()
+    finally:
+        server.stop()
+
+
+def test_start_errors_name_the_problem(segment, served, tmp_path):
+    server, _ = served
+    with pytest.raises(InvalidRequest, match="cannot listen on 127.0.0.1:"):
+        DataPlaneServer(f"127.0.0.1:{server.port}", segment[0])
+    with pytest.raises(InvalidRequest, match="cannot open the segment"):
+        DataPlaneServer("127.0.0.1:0", str(tmp_path / "missing"))
+    with pytest.raises(InvalidRequest, match="HOST:PORT"):
+        DataPlaneServer("unix:/tmp/x.sock", segment[0])
+
+
+@pytest.mark.parametrize("target, host", [
+    ("127.0.0.1:50551", "127.0.0.1"), ("unix:/run/kvstore.sock", "127.0.0.1"), ("dns:///kv.example:50551", "kv.example"),
+    ("[::1]:50551", "[::1]"), ("node-7:50551", "node-7"),
+])
+def test_the_data_plane_is_reached_at_the_control_targets_host(target, host):
+    assert data_plane_host(target) == host
+
+
+# ---- behind the sidecar: GetSlots grants, a client on "another host" streams, Release revokes ----
+
+@pytest.fixture
+def remote_sidecar(store, start_server):
+    """A sidecar with its data plane, and a client that cannot map its segment (as on another host)."""
+    from kvstore.service.client import KVStoreClient
+    from kvstore.service.server import start_data_plane
+    from kvstore.service.limits import ServiceLimits
+
+    data_plane = start_data_plane("127.0.0.1:0", store, ServiceLimits(), None, None)
+    server = start_server(store, data_plane=data_plane)
+    with KVStoreClient(server.target, timeout_s=30, shared_memory=False) as remote:
+        yield remote, data_plane
+    data_plane.stop()
+
+
+def put_v32_blocks(client, count: int, seed: int):
+    from kvstore.layout import BlockSpec
+    from kvstore.sidecar_bench import V32
+
+    spec = BlockSpec.of(V32)
+    rng = np.random.default_rng(seed)
+    ns_id = client.register_namespace(V32)
+    hashes = [rng.bytes(16) for _ in range(count)]
+    payloads = [rng.integers(0, 256, spec.block_bytes, dtype=np.uint8) for _ in range(count)]
+    assert client.put(ns_id, hashes, payloads).stored == count
+    return ns_id, hashes, payloads, spec
+
+
+def test_a_client_that_cannot_map_the_segment_gets_host_blocks_from_the_data_plane(remote_sidecar):
+    remote, data_plane = remote_sidecar
+    ns_id, hashes, payloads, spec = put_v32_blocks(remote, 4, seed=1)
+    dsts = [np.zeros(spec.block_bytes, np.uint8) for _ in range(5)]
+    got = remote.load_shm(ns_id, hashes + [b"\x01" * 16], dsts, verify=True)  # the last one misses
+    assert got.tiers == ("host",) * 4 and got.loaded_blocks == 4
+    for dst, payload in zip(dsts, payloads):
+        assert np.array_equal(dst, payload)
+    counters = data_plane.counters()
+    assert counters.bytes_sent == 4 * spec.block_bytes and counters.calls == 1
+    assert counters.live_grants == 0, "Release revoked the grant"
+    assert remote.stats().leases_active == 0
+
+
+def test_a_grant_dies_with_its_lease_and_the_copies_are_void(remote_sidecar):
+    remote, data_plane = remote_sidecar
+    ns_id, hashes, payloads, spec = put_v32_blocks(remote, 2, seed=2)
+    grant = remote.get_slots(ns_id, hashes, lease_ttl_s=0.2)
+    assert grant.data_grant and grant.data_port == data_plane.port and len(grant.slots) == 2
+    dsts = [np.zeros(spec.block_bytes, np.uint8) for _ in range(2)]
+    assert remote.stream_slots(grant, dsts) == 2
+    time.sleep(0.4)
+    assert remote.stream_slots(grant, dsts) == 0, "the expired grant streams nothing"
+    assert not remote.release_grant(grant), "the lease expired: the copies must be discarded"
+    with pytest.raises(InvalidRequest, match="do not match slots"):
+        remote.stream_slots(grant, dsts[:1] + [np.zeros(5, np.uint8)])
