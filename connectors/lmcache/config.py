@@ -43,7 +43,8 @@ class PluginConfig:
     tls_root_certs: str | None = None  # PEM file of the roots that sign the sidecar's certificate: TLS
     timeout_s: float = 10.0  # bound on every sidecar call; past it the call is a miss
     lease_ttl_s: float = 30.0  # how long a get pins the blocks it copies from shared memory
-    shared_memory: bool = True  # same host: copy from the sidecar's mapped memory (falls back by itself)
+    shared_memory: bool = True  # same host: copy from the sidecar's mapped memory (falls back by itself;
+    # false, or another host: the sidecar's native data plane streams those blocks, Put carries puts)
     workers: int = 2  # threads that make the blocking sidecar calls for LMCache's event loop
     cache_salt: str = ""  # namespace.cache_salt: tenants whose caches must never mix
     weights_hash: str = ""  # namespace.weights_hash: fine-tunes that share a model name

@@ -10,8 +10,10 @@ LMCache call maps onto the sidecar (``KVStoreClient``):
     batched_async_contains        (``pin`` is not needed: a get leases what it copies)
     get, batched_get,             GetSlots leases the leading present blocks and locates those in
     batched_get_non_blocking      the host tier's shared memory: each is copied from the mapping
-                                  straight into a MemoryObj that LMCache allocates (one copy); the
-                                  rest (disk, another host) come through Get into a scratch block
+                                  straight into a MemoryObj that LMCache allocates (one copy), or
+                                  on another host streamed by the sidecar's native data plane
+                                  into a scratch block; the rest (disk, or no data plane) come
+                                  through Get into a scratch block
     put, batched_put              each object framed into a scratch block, then put_shm (staging
                                   slots in shared memory, verified by the sidecar; Put where that
                                   cannot be used)
@@ -71,7 +73,8 @@ class KVStoreConnector(RemoteConnector):
                                            self._identity(metadata), settings.cache_salt, settings.weights_hash)
         self.spec = BlockSpec.of(self.namespace)
         self.client = KVStoreClient(settings.address, timeout_s=settings.timeout_s, limits=limits,
-                                    token=settings.bearer_token(), root_certificates=settings.root_certificates())
+                                    token=settings.bearer_token(), root_certificates=settings.root_certificates(),
+                                    shared_memory=settings.shared_memory)
         self.session = SidecarSession(self.client, self.namespace, settings.address, meanwhile="LMCache sees misses")
         self._batch = limits.max_transfer_blocks
         self._lookup_batch = limits.max_lookup_blocks
@@ -154,9 +157,8 @@ class KVStoreConnector(RemoteConnector):
         return objs
 
     def _get_batch(self, digests: List[bytes]) -> List[MemoryObj]:
-        """The leading objects of ``digests`` (at most max_transfer_blocks), shared memory first."""
-        if not self.settings.shared_memory:
-            return self._fetch(digests)
+        """The leading objects of ``digests`` (at most max_transfer_blocks), shared memory (or the
+        data plane) first."""
         grant = self.session.call(partial(self.client.get_slots, self.session.ns_id, digests,
                                           self.settings.lease_ttl_s))
         if grant.lease_id is None:  # nothing present, or no lease to be had: then Get copes alone
@@ -164,6 +166,10 @@ class KVStoreConnector(RemoteConnector):
         objs: list[MemoryObj] = []
         try:
             slots = self.client.slot_views(grant)  # the leading hit blocks in mapped host memory
+            if not slots and grant.slots:  # another host: the data plane streams them
+                objs, complete = self._stream(grant, digests)
+                self._count(hits_data_plane=len(objs))
+                return objs + self._fetch(digests[len(objs) : grant.hit_blocks]) if complete else objs
             for digest, slot in zip(digests, slots):
                 obj = self._rebuild(digest, slot)
                 if obj is None:
@@ -178,6 +184,25 @@ class KVStoreConnector(RemoteConnector):
             raise
         finally:
             self._release(grant)
+
+    def _stream(self, grant, digests: List[bytes]) -> tuple[List[MemoryObj], bool]:
+        """The grant's slots through the data plane, one at a time into the scratch block. Returns
+        the objects and whether every slot was served (False: an object was corrupt or there was
+        no memory, so the caller stops there; a failed stream leaves the rest to Get)."""
+        block = self._scratch_block()
+        objs: list[MemoryObj] = []
+        try:
+            for index, digest in enumerate(digests[: len(grant.slots)]):
+                if self.client.stream_slots(grant, [block], index) != 1:
+                    break
+                obj = self._rebuild(digest, block)
+                if obj is None:
+                    return objs, False
+                objs.append(obj)
+        except BaseException:
+            _free(objs)
+            raise
+        return objs, True
 
     def _fetch(self, digests: List[bytes]) -> List[MemoryObj]:
         """The leading objects of ``digests`` through Get, one block at a time into the scratch block."""
@@ -303,7 +328,7 @@ class KVStoreConnector(RemoteConnector):
 
     def counts(self) -> dict[str, int]:
         """What this connector did so far: stored, duplicates, rejected, put_failures, hits,
-        hits_shared_memory, corrupt, no_memory, call_failures."""
+        hits_shared_memory, hits_data_plane, corrupt, no_memory, call_failures."""
         with self._lock:
             return dict(self._counts)
 

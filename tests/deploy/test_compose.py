@@ -58,7 +58,8 @@ def test_sidecar_binds_the_ports_it_publishes(compose):
     service = compose["services"]["kvstore"]
     env = service["environment"]
     published = {int(mapping.rsplit(":", 1)[1]) for mapping in service["ports"]}
-    assert published == {port_of(env["KVSTORE_ADDRESS"]), port_of(env["KVSTORE_HTTP_ADDRESS"])} == {50551, 50552}
+    assert published == {port_of(env["KVSTORE_ADDRESS"]), port_of(env["KVSTORE_HTTP_ADDRESS"]),
+                         port_of(env["KVSTORE_DATA_ADDRESS"])} == {50551, 50552, 50553}
     assert env["KVSTORE_ADDRESS"].startswith("0.0.0.0:")
 
 

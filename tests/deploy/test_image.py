@@ -47,7 +47,7 @@ def makefile_torch() -> str:
 
 
 def test_runtime_is_python_311_slim_like_the_stage_that_built_its_venv(build_stage, final):
-    assert final.base == "python:3.11-slim"
+    assert final.base == "python:3.11-slim-bookworm"  # the apt package names are bookworm's
     assert build_stage.base == final.base  # the venv is copied across: same interpreter path
     (copy,) = [c for c in final.all("COPY") if f"--from={build_stage.name}" in c]
     assert copy.split()[-1] == "/opt/venv"
@@ -77,9 +77,18 @@ def test_entrypoint_ports_and_addresses(final):
     assert json_form(final.all("ENTRYPOINT")[-1]) == ["kvstore", "serve"]
     exposed = {int(port) for args in final.all("EXPOSE") for port in args.split()}
     env = env_pairs(final)
-    assert exposed == {port_of(env["KVSTORE_ADDRESS"]), port_of(env["KVSTORE_HTTP_ADDRESS"])} == {50551, 50552}
+    assert exposed == {port_of(env["KVSTORE_ADDRESS"]), port_of(env["KVSTORE_HTTP_ADDRESS"]),
+                       port_of(env["KVSTORE_DATA_ADDRESS"])} == {50551, 50552, 50553}
     assert env["KVSTORE_ADDRESS"].startswith("0.0.0.0:") and env["KVSTORE_HTTP_ADDRESS"].startswith("0.0.0.0:")
     assert env["KVSTORE_DISK_PATH"].startswith("/var/lib/kvstore/")
+
+
+def test_the_image_builds_the_native_data_plane_and_carries_its_runtime(build_stage, final):
+    runs = build_stage.all("RUN")
+    project = next(i for i, run in enumerate(runs) if PROJECT_INSTALL.search(run))
+    dev = [i for i, run in enumerate(runs) if "libgrpc++-dev" in run and "g++" in run and "pkg-config" in run]
+    assert dev and dev[0] < project, "setup.py skips the data plane without g++ and libgrpc++-dev"
+    assert any(re.search(r"libgrpc\+\+1\.\d+", run) for run in final.all("RUN")), "no gRPC C++ runtime"
 
 
 @pytest.mark.parametrize("tls", [False, True])

@@ -79,12 +79,13 @@ def test_selectors_match_the_pods_and_the_service(objects, pod):
 def test_service_ports_reach_the_container_ports_the_sidecar_binds(objects, container):
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     service = {p["name"]: p for p in objects["Service"]["spec"]["ports"]}
-    assert {name: p["port"] for name, p in service.items()} == {"grpc": 50551, "http": 50552}
+    assert {name: p["port"] for name, p in service.items()} == {"grpc": 50551, "http": 50552, "data": 50553}
     for name, port in service.items():
         assert ports[port["targetPort"]] == port["port"], name
     env = env_of(container)
     assert env["KVSTORE_ADDRESS"] == f"0.0.0.0:{ports['grpc']}"
     assert env["KVSTORE_HTTP_ADDRESS"] == f"0.0.0.0:{ports['http']}"
+    assert env["KVSTORE_DATA_ADDRESS"] == f"0.0.0.0:{ports['data']}"  # GetSlots advertises the bound port
     assert objects["Service"]["spec"]["internalTrafficPolicy"] == "Local"  # a node's engines use its sidecar
 
 

@@ -14,6 +14,7 @@ import numpy as np
 from connectors.lmcache import framing
 from connectors.lmcache.framing import ObjectMeta, key_digest
 from kvstore.keys import Namespace
+from kvstore.service import dataplane
 from kvstore.layout import BlockSpec
 from kvstore.service.client import KVStoreClient
 from tests.lmcache.conftest import SidecarProcess, run_engine
@@ -24,7 +25,7 @@ CHUNKS = 4  # 256 + 256 + 256 + 232 tokens
 
 def metric(exposition: str, name: str, **labels: str) -> float:
     """The value of one sample of a Prometheus text exposition (0 when absent)."""
-    wanted = name + "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}"
+    wanted = name + ("{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else "")
     for line in exposition.splitlines():
         if line.startswith(wanted + " "):
             return float(line.split()[-1])
@@ -96,3 +97,19 @@ def test_a_corrupt_object_is_a_miss_and_the_chunks_before_it_still_load(lmcache_
     assert retrieved["lookup"] == PROMPT_TOKENS, "present is not the same as valid"
     assert retrieved["retrieved"] == 256 and retrieved["exact"], "chunk 0 only, and exactly"
     assert retrieved["counts"]["corrupt"] >= 1
+
+
+def test_an_engine_that_cannot_map_the_sidecars_memory_gets_the_chunks_from_the_data_plane(lmcache_py, sidecar):
+    """shared_memory: false stands for another host: the host-tier chunks stream from the native
+    data plane (Get where it was not built), verified like every object."""
+    options = {"shared_memory": False}
+    stored = run_engine(lmcache_py, action="store", address=sidecar.address, seed=4, tokens=PROMPT_TOKENS,
+                        options=options)
+    assert stored["counts"] == {"stored": CHUNKS, "duplicates": 0, "rejected": 0}
+    retrieved = run_engine(lmcache_py, action="retrieve", address=sidecar.address, seed=4, tokens=PROMPT_TOKENS,
+                           options=options)
+    assert retrieved["retrieved"] == PROMPT_TOKENS and retrieved["exact"], "all of it, bit for bit"
+    assert retrieved["counts"].get("hits_shared_memory", 0) == 0
+    assert retrieved["counts"].get("hits_data_plane", 0) == (CHUNKS if dataplane.available() else 0)
+    if dataplane.available():
+        assert metric(sidecar.get("metrics"), "kvstore_dataplane_sent_bytes_total") > 0
