@@ -229,6 +229,8 @@ class ReadSlotsReactor : public grpc::ServerGenericBidiReactor {
   void write_next();
 
   DataPlaneServer* server_;
+  std::string client_;
+  bool counted_ = false;  // holds one of the stream limits' places until OnDone
   grpc::ByteBuffer request_;
   grpc::ByteBuffer response_;
   std::vector<Region> regions_;
@@ -237,10 +239,52 @@ class ReadSlotsReactor : public grpc::ServerGenericBidiReactor {
   uint64_t offset_ = 0;
 };
 
+// Streams in progress, in all and per client (its kvstore-client metadata, else its peer): past
+// either limit a call is refused, not queued, like the KVStore service's Get and Put.
+class StreamLimits {
+ public:
+  StreamLimits(uint32_t limit, uint32_t per_client) : limit_(limit), per_client_(per_client) {}
+
+  // Empty when the stream may start (it then counts until end(client)); else why not.
+  std::string begin(const std::string& client) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (active_ >= limit_)
+      return "max_concurrent_transfers=" + std::to_string(limit_) +
+             " streams are already running; retry shortly or raise the limit";
+    if (by_client_[client] >= per_client_)
+      return "max_streams_per_client=" + std::to_string(per_client_) +
+             ": this client already runs that many streams; wait for one to finish";
+    ++active_;
+    ++by_client_[client];
+    return "";
+  }
+
+  void end(const std::string& client) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    --active_;
+    if (--by_client_[client] == 0) by_client_.erase(client);
+  }
+
+ private:
+  uint32_t limit_;
+  uint32_t per_client_;
+  std::mutex mutex_;
+  uint32_t active_ = 0;
+  std::map<std::string, uint32_t> by_client_;
+};
+
+std::string client_of(grpc::GenericCallbackServerContext* context) {
+  const auto& metadata = context->client_metadata();
+  auto it = metadata.find("kvstore-client");
+  return it != metadata.end() ? std::string(it->second.data(), it->second.size()) : context->peer();
+}
+
 class DataPlaneServer : public grpc::CallbackGenericService {
  public:
-  DataPlaneServer(const uint8_t* base, size_t size, std::string bearer, uint32_t max_chunk_bytes)
-      : base_(base), size_(size), bearer_(std::move(bearer)), max_chunk_bytes_(max_chunk_bytes) {}
+  DataPlaneServer(const uint8_t* base, size_t size, std::string bearer, uint32_t max_chunk_bytes,
+                  uint32_t max_streams, uint32_t max_streams_per_client)
+      : streams(max_streams, max_streams_per_client), base_(base), size_(size), bearer_(std::move(bearer)),
+        max_chunk_bytes_(max_chunk_bytes) {}
 
   ~DataPlaneServer() override {
     if (base_ != nullptr) munmap(const_cast<uint8_t*>(base_), size_);
@@ -310,6 +354,7 @@ class DataPlaneServer : public grpc::CallbackGenericService {
   uint32_t chunk_bytes(uint32_t asked) const { return asked == 0 ? max_chunk_bytes_ : std::min(asked, max_chunk_bytes_); }
 
   Counters counters;
+  StreamLimits streams;
   std::unique_ptr<grpc::Server> server;
 
  private:
@@ -334,7 +379,14 @@ ReadSlotsReactor::ReadSlotsReactor(DataPlaneServer* server, grpc::GenericCallbac
   } else if (!server_->authorized(context)) {
     refuse(grpc::StatusCode::UNAUTHENTICATED, "missing or wrong bearer token (metadata authorization: Bearer TOKEN)");
   } else {
-    StartRead(&request_);
+    client_ = client_of(context);
+    std::string why = server_->streams.begin(client_);
+    counted_ = why.empty();
+    if (counted_) {
+      StartRead(&request_);
+    } else {
+      refuse(grpc::StatusCode::RESOURCE_EXHAUSTED, why);
+    }
   }
 }
 
@@ -382,7 +434,10 @@ void ReadSlotsReactor::OnWriteDone(bool ok) {
   write_next();
 }
 
-void ReadSlotsReactor::OnDone() { delete this; }
+void ReadSlotsReactor::OnDone() {
+  if (counted_) server_->streams.end(client_);
+  delete this;
+}
 
 std::shared_ptr<grpc::ServerCredentials> server_credentials(const char* cert_pem, const char* key_pem) {
   if (cert_pem == nullptr || key_pem == nullptr) return grpc::InsecureServerCredentials();
@@ -523,13 +578,22 @@ grpc::ChannelArguments channel_arguments() {
 
 extern "C" {
 
+// Bumped whenever a signature below changes: dataplane.py refuses a library of another version.
+int kvdp_abi_version() { return 2; }
+
 // Starts a server on address (HOST:PORT, port 0 picks one) over the segment file at segment_path,
 // mapped read-only. cert_pem/key_pem: TLS (both or neither); bearer: required token, or NULL.
+// max_streams, max_streams_per_client: concurrent ReadSlots calls past which one is refused.
 // Returns a handle and the bound port, or NULL with a message.
 void* kvdp_server_start(const char* address, const char* segment_path, const char* cert_pem, const char* key_pem,
-                        const char* bearer, uint32_t max_chunk_bytes, int* port, char* err, size_t errlen) {
+                        const char* bearer, uint32_t max_chunk_bytes, uint32_t max_streams,
+                        uint32_t max_streams_per_client, int* port, char* err, size_t errlen) {
   if (max_chunk_bytes == 0 || max_chunk_bytes > kMaxChunkBytes) {
     set_error(err, errlen, "max_chunk_bytes must be in (0, 16 MiB]");
+    return nullptr;
+  }
+  if (max_streams == 0 || max_streams_per_client == 0) {
+    set_error(err, errlen, "the stream limits must be positive");
     return nullptr;
   }
   int fd = open(segment_path, O_RDONLY | O_CLOEXEC);
@@ -547,7 +611,7 @@ void* kvdp_server_start(const char* address, const char* segment_path, const cha
     return nullptr;
   }
   auto* server = new DataPlaneServer(static_cast<const uint8_t*>(base), st.st_size, bearer ? bearer : "",
-                                     max_chunk_bytes);
+                                     max_chunk_bytes, max_streams, max_streams_per_client);
   grpc::ServerBuilder builder;
   builder.AddListeningPort(address, server_credentials(cert_pem, key_pem), port);
   builder.SetMaxReceiveMessageSize(64 << 10);  // requests are a token and a number

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.machinery
+import logging
 import os
 import secrets
 import threading
@@ -32,7 +33,11 @@ from typing import Sequence
 from kvstore.buffers import byte_view
 from kvstore.errors import InvalidRequest, KVStoreError
 
+log = logging.getLogger(__name__)
+
+ABI_VERSION = 2  # kvdp_abi_version() of the library these declarations match
 GRANT_BYTES = 16
+MAX_CHUNK_BYTES = 16 << 20  # _dataplane.cc's kMaxChunkBytes
 PROTOCOL_ERROR = -1  # kvdp_client_read: the stream's bytes did not fit the buffers
 _ERR_BYTES = 512
 _NOT_FOUND = 5  # grpc.StatusCode.NOT_FOUND's number
@@ -57,7 +62,13 @@ def _library() -> ctypes.CDLL | None:
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
         path = os.path.join(here, "_dataplane" + suffix)
         if os.path.exists(path):
-            return _declare(ctypes.CDLL(path))
+            lib = ctypes.CDLL(path)
+            version = lib.kvdp_abi_version() if hasattr(lib, "kvdp_abi_version") else 1
+            if version != ABI_VERSION:  # a stale build: calling it with these signatures would crash
+                log.warning("ignoring %s: built from another version of _dataplane.cc (ABI %d, not %d); "
+                            "reinstall the package (make) to rebuild it", path, version, ABI_VERSION)
+                return None
+            return _declare(lib)
     return None
 
 
@@ -65,7 +76,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     c = ctypes
     lib.kvdp_server_start.restype = c.c_void_p
     lib.kvdp_server_start.argtypes = [c.c_char_p, c.c_char_p, c.c_char_p, c.c_char_p, c.c_char_p, c.c_uint32,
-                                      c.POINTER(c.c_int), c.c_char_p, c.c_size_t]
+                                      c.c_uint32, c.c_uint32, c.POINTER(c.c_int), c.c_char_p, c.c_size_t]
     lib.kvdp_server_grant.argtypes = [c.c_void_p, c.c_char_p, c.c_size_t, c.c_size_t, c.POINTER(c.c_uint64),
                                       c.POINTER(c.c_uint64), c.c_double, c.c_char_p, c.c_size_t]
     lib.kvdp_server_revoke.argtypes = [c.c_void_p, c.c_char_p, c.c_size_t]
@@ -112,17 +123,21 @@ class DataPlaneCounters:
 class DataPlaneServer:
     """The BlockData service on ``address`` (``HOST:PORT``; port 0 picks one) over the segment file
     at ``segment_path`` (the host tier's), mapped read-only. ``tls``: (cert chain, key) PEM bytes;
-    ``token``: the bearer token every call must carry. Grants are keyed by lease id here."""
+    ``token``: the bearer token every call must carry. Grants are keyed by lease id here. Past
+    ``max_streams`` concurrent ReadSlots calls, or ``max_streams_per_client`` of one client (its
+    ``kvstore-client`` metadata), a call is RESOURCE_EXHAUSTED naming the limit."""
 
     def __init__(self, address: str, segment_path: str, *, tls: tuple[bytes, bytes] | None = None,
-                 token: str | None = None, max_chunk_bytes: int = 1 << 20):
+                 token: str | None = None, max_chunk_bytes: int = 1 << 20, max_streams: int = 16,
+                 max_streams_per_client: int = 8):
         lib = _require()
         if address.startswith("unix:") or ":" not in address:
             raise InvalidRequest(f"the data plane listens on HOST:PORT, got {address!r}")
         err, port = ctypes.create_string_buffer(_ERR_BYTES), ctypes.c_int(0)
         cert, key = (tls[0], tls[1]) if tls else (None, None)
         self._handle = lib.kvdp_server_start(address.encode(), segment_path.encode(), cert, key, _cstr(token),
-                                             max_chunk_bytes, ctypes.byref(port), err, _ERR_BYTES)
+                                             max_chunk_bytes, max_streams, max_streams_per_client,
+                                             ctypes.byref(port), err, _ERR_BYTES)
         if not self._handle:
             raise InvalidRequest(f"the data plane cannot start: {err.value.decode()}; give --data-address "
                                  "HOST:PORT or 'off'")

@@ -164,7 +164,9 @@ def start_data_plane(address: str | None, store: TieredStore, limits: ServiceLim
                     "clients on other hosts get blocks through the slower Python Get")
         return None
     data_plane = DataPlaneServer(address, host.segment_path, tls=tls, token=token,
-                                 max_chunk_bytes=limits.max_chunk_bytes)
+                                 max_chunk_bytes=min(limits.max_chunk_bytes, dataplane.MAX_CHUNK_BYTES),
+                                 max_streams=limits.max_concurrent_transfers,
+                                 max_streams_per_client=limits.max_streams_per_client)
     log.info("native data plane on %s", bound_address(address, data_plane.port))
     return data_plane
 

@@ -152,6 +152,45 @@ def test_concurrent_readers_each_get_their_own_bytes(segment, served):
         expect(segment, regions, dsts)
 
 
+def test_streams_past_the_limits_are_resource_exhausted_naming_the_limit(segment):
+    """Streams held open by clients that stop reading (flow control stalls the server) count
+    against max_concurrent_transfers and max_streams_per_client until they end."""
+    server = DataPlaneServer("127.0.0.1:0", segment[0], max_streams=2, max_streams_per_client=1)
+    grant = server.grant(1, [(0, SEGMENT_BYTES)] * 32, ttl_s=60)  # 256 MiB: never read to the end here
+    request = pb.ReadSlotsRequest(grant=grant)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = BlockDataStub(channel)
+
+            def open_stream(client: str):
+                stream = stub.ReadSlots(request, metadata=[("kvstore-client", client)])
+                next(stream)  # the stream is running
+                return stream
+
+            def refused(client: str) -> str:
+                with pytest.raises(grpc.RpcError) as info:
+                    open_stream(client)
+                assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                return info.value.details()
+
+            first = open_stream("a")
+            assert "max_streams_per_client=1" in refused("a")
+            second = open_stream("b")
+            assert "max_concurrent_transfers=2" in refused("c")
+            first.cancel()  # its place comes free once the server sees the cancellation
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    open_stream("c").cancel()
+                    break
+                except grpc.RpcError as exc:
+                    assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() < deadline
+                    time.sleep(0.05)
+            second.cancel()
+    finally:
+        server.stop(0)
+
+
 def test_the_bearer_token_is_required_when_configured(segment):
     server = DataPlaneServer("127.0.0.1:0", segment[0], token=TOKEN)
     try:
