@@ -30,3 +30,7 @@ class UnknownLease(KVStoreError, KeyError):
 
 class StoreClosed(KVStoreError, RuntimeError):
     """An operation was attempted on a closed store or tier."""
+
+
+class NotPermitted(KVStoreError, PermissionError):
+    """The caller acted on something another client holds (a lease it did not take)."""

@@ -2,9 +2,16 @@
 //
 // Python's gRPC cannot move payload bytes fast enough across hosts: each side copies every
 // message twice in user space and its event loop thread saturates (README, "Sidecar benchmark").
-// This C++ gRPC server streams leased host-tier slots straight out of the shared-memory segment
-// (zero-copy slices: the transport reads the segment's pages itself), and the C++ client copies
-// each received slice once into the caller's buffers.
+// This C++ gRPC server streams leased host-tier slots out of the shared-memory segment, and the
+// C++ client copies each received slice once into the caller's buffers.
+//
+// Each chunk is copied out of the segment (one memcpy) under its grant's lock, after checking the
+// grant is neither revoked nor past its deadline; revoking takes the same lock. So once revoke()
+// returns (Release calls it before ending the lease) or the deadline passes (set before the
+// lease's own expiry), no byte of those slots is read again, whatever the transport still holds
+// or however slowly the client reads: a reused slot never reaches the old grant's holder. A
+// zero-copy slice of the mapping would be read by the transport at send time, possibly after
+// the slot was reused for another tenant's block.
 //
 // The control plane stays in Python: GetSlots leases the blocks and registers a grant here (a
 // random token naming segment regions, valid until the lease ends or its TTL passes); each
@@ -194,10 +201,18 @@ struct Region {
   uint64_t nbytes;
 };
 
+// Regions of the segment a lease pins, readable until revoked or past the deadline. mutex is held
+// while a chunk is checked and copied out, and by revoke(), so the two never interleave.
 struct Grant {
   std::vector<Region> regions;
   Clock::time_point deadline;
+  std::mutex mutex;
+  bool revoked = false;
+
+  bool live_locked() const { return !revoked && Clock::now() < deadline; }
 };
+
+constexpr double kMaxTtlS = 30 * 24 * 3600.0;  // a finite bound for the duration arithmetic
 
 struct Counters {
   std::atomic<uint64_t> calls{0};
@@ -233,7 +248,8 @@ class ReadSlotsReactor : public grpc::ServerGenericBidiReactor {
   bool counted_ = false;  // holds one of the stream limits' places until OnDone
   grpc::ByteBuffer request_;
   grpc::ByteBuffer response_;
-  std::vector<Region> regions_;
+  std::shared_ptr<Grant> grant_;
+  size_t end_ = 0;  // regions [region_, end_) of the grant remain
   uint32_t chunk_bytes_ = 0;
   size_t region_ = 0;
   uint64_t offset_ = 0;
@@ -295,6 +311,8 @@ class DataPlaneServer : public grpc::CallbackGenericService {
   }
 
   int grant(const std::string& token, std::vector<Region> regions, double ttl_s, char* err, size_t errlen) {
+    if (!(ttl_s >= 0)) ttl_s = 0;  // NaN or negative: expired at once
+    ttl_s = std::min(ttl_s, kMaxTtlS);
     for (const Region& r : regions) {
       if (r.offset > size_ || r.nbytes > size_ - r.offset) {
         set_error(err, errlen, "region [" + std::to_string(r.offset) + ", +" + std::to_string(r.nbytes) +
@@ -303,36 +321,51 @@ class DataPlaneServer : public grpc::CallbackGenericService {
       }
     }
     auto ttl = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(ttl_s));
+    auto entry = std::make_shared<Grant>();
+    entry->regions = std::move(regions);
+    entry->deadline = Clock::now() + ttl;
     std::lock_guard<std::mutex> lock(mutex_);
     purge_expired_locked();
-    grants_[token] = Grant{std::move(regions), Clock::now() + ttl};
+    grants_[token] = std::move(entry);
     return 0;
   }
 
+  // Once this returns, no stream copies another byte of the grant's regions.
   void revoke(const std::string& token) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    grants_.erase(token);
+    std::shared_ptr<Grant> entry;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = grants_.find(token);
+      if (it == grants_.end()) return;
+      entry = std::move(it->second);
+      grants_.erase(it);
+    }
+    std::lock_guard<std::mutex> lock(entry->mutex);  // waits for a copy in progress
+    entry->revoked = true;
   }
 
-  // The regions the request asks for out of its grant, or a status saying why not.
-  grpc::Status regions(const ReadRequest& request, std::vector<Region>* out) {
+  // The grant a request names and the range of its regions it asks for, or a status saying why not.
+  grpc::Status regions(const ReadRequest& request, std::shared_ptr<Grant>* grant, size_t* first_out,
+                       size_t* end_out) {
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = grants_.find(request.grant);
     if (it == grants_.end())
       return grpc::Status(grpc::StatusCode::NOT_FOUND,
                           "unknown grant: its lease was released or never issued; call GetSlots again");
-    if (it->second.deadline <= Clock::now()) {
+    if (it->second->deadline <= Clock::now()) {
       grants_.erase(it);
       return grpc::Status(grpc::StatusCode::NOT_FOUND, "the grant's lease expired; call GetSlots again");
     }
-    const std::vector<Region>& all = it->second.regions;
+    const std::vector<Region>& all = it->second->regions;
     uint64_t first = request.first_slot;
     uint64_t count = request.num_slots == 0 && first <= all.size() ? all.size() - first : request.num_slots;
     if (first + count > all.size())
       return grpc::Status(grpc::StatusCode::OUT_OF_RANGE,
                           "slots [" + std::to_string(first) + ", " + std::to_string(first + count) +
                               ") asked of a grant of " + std::to_string(all.size()));
-    out->assign(all.begin() + first, all.begin() + first + count);
+    *grant = it->second;
+    *first_out = first;
+    *end_out = first + count;
     return grpc::Status::OK;
   }
 
@@ -356,11 +389,12 @@ class DataPlaneServer : public grpc::CallbackGenericService {
   Counters counters;
   StreamLimits streams;
   std::unique_ptr<grpc::Server> server;
+  std::atomic<bool> shut_down{false};
 
  private:
   void purge_expired_locked() {
     auto now = Clock::now();
-    for (auto it = grants_.begin(); it != grants_.end();) it = it->second.deadline <= now ? grants_.erase(it) : ++it;
+    for (auto it = grants_.begin(); it != grants_.end();) it = it->second->deadline <= now ? grants_.erase(it) : ++it;
   }
 
   const uint8_t* base_;
@@ -368,7 +402,7 @@ class DataPlaneServer : public grpc::CallbackGenericService {
   std::string bearer_;
   uint32_t max_chunk_bytes_;
   std::mutex mutex_;
-  std::map<std::string, Grant> grants_;
+  std::map<std::string, std::shared_ptr<Grant>> grants_;
 };
 
 ReadSlotsReactor::ReadSlotsReactor(DataPlaneServer* server, grpc::GenericCallbackServerContext* context)
@@ -400,26 +434,34 @@ void ReadSlotsReactor::OnReadDone(bool ok) {
   if (!ok) return refuse(grpc::StatusCode::INVALID_ARGUMENT, "ReadSlots needs one ReadSlotsRequest");
   if (!parse_request(&request_, &request))
     return refuse(grpc::StatusCode::INVALID_ARGUMENT, "malformed ReadSlotsRequest");
-  grpc::Status status = server_->regions(request, &regions_);
+  grpc::Status status = server_->regions(request, &grant_, &region_, &end_);
   if (!status.ok()) return refuse(status.error_code(), status.error_message());
   chunk_bytes_ = server_->chunk_bytes(request.chunk_bytes);
   write_next();
 }
 
 void ReadSlotsReactor::write_next() {
-  while (region_ < regions_.size() && offset_ == regions_[region_].nbytes) {
+  const std::vector<Region>& regions = grant_->regions;  // immutable once granted
+  while (region_ < end_ && offset_ == regions[region_].nbytes) {
     ++region_;
     offset_ = 0;
   }
-  if (region_ == regions_.size()) return Finish(grpc::Status::OK);
-  const Region& region = regions_[region_];
+  if (region_ == end_) return Finish(grpc::Status::OK);
+  const Region& region = regions[region_];
   uint64_t n = std::min<uint64_t>(chunk_bytes_, region.nbytes - offset_);
   std::string header(1, static_cast<char>(1 << 3 | 2));  // SlotBytes { bytes data = 1; }
   append_varint(&header, n);
-  // The payload slice points into the segment: no copy in user space. The segment stays mapped
-  // until the server is destroyed, after every call has finished.
-  grpc::Slice slices[2] = {grpc::Slice(header), grpc::Slice(server_->base() + region.offset + offset_, n,
-                                                            grpc::Slice::STATIC_SLICE)};
+  grpc::Slice slices[2];
+  {
+    std::lock_guard<std::mutex> lock(grant_->mutex);
+    if (!grant_->live_locked()) {
+      server_->counters.failed++;
+      return Finish(grpc::Status(grpc::StatusCode::NOT_FOUND,
+                                 "the grant's lease ended during the stream: discard what arrived"));
+    }
+    slices[1] = grpc::Slice(server_->base() + region.offset + offset_, n);  // the copy, under the lock
+  }
+  slices[0] = grpc::Slice(header);
   response_ = grpc::ByteBuffer(slices, 2);
   offset_ += n;
   server_->counters.bytes += n;
@@ -579,7 +621,7 @@ grpc::ChannelArguments channel_arguments() {
 extern "C" {
 
 // Bumped whenever a signature below changes: dataplane.py refuses a library of another version.
-int kvdp_abi_version() { return 2; }
+int kvdp_abi_version() { return 3; }
 
 // Starts a server on address (HOST:PORT, port 0 picks one) over the segment file at segment_path,
 // mapped read-only. cert_pem/key_pem: TLS (both or neither); bearer: required token, or NULL.
@@ -602,12 +644,18 @@ void* kvdp_server_start(const char* address, const char* segment_path, const cha
     return nullptr;
   }
   struct stat st;
-  void* base = (fstat(fd, &st) == 0 && st.st_size > 0) ? mmap(nullptr, st.st_size, PROT_READ, MAP_SHARED, fd, 0)
-                                                        : MAP_FAILED;
-  int map_errno = errno;
+  std::string why;
+  void* base = MAP_FAILED;
+  if (fstat(fd, &st) != 0) {
+    why = std::strerror(errno);
+  } else if (st.st_size == 0) {
+    why = "it is empty";
+  } else if ((base = mmap(nullptr, st.st_size, PROT_READ, MAP_SHARED, fd, 0)) == MAP_FAILED) {
+    why = std::strerror(errno);
+  }
   close(fd);
   if (base == MAP_FAILED) {
-    set_error(err, errlen, std::string("cannot map the segment ") + segment_path + ": " + std::strerror(map_errno));
+    set_error(err, errlen, std::string("cannot map the segment ") + segment_path + ": " + why);
     return nullptr;
   }
   auto* server = new DataPlaneServer(static_cast<const uint8_t*>(base), st.st_size, bearer ? bearer : "",
@@ -617,6 +665,8 @@ void* kvdp_server_start(const char* address, const char* segment_path, const cha
   builder.SetMaxReceiveMessageSize(64 << 10);  // requests are a token and a number
   builder.AddChannelArgument("grpc.http2.lookahead_bytes", kLookaheadBytes);
   builder.AddChannelArgument("grpc.so_reuseport", 0);  // a port in use is an error, not a shared port
+  builder.AddChannelArgument("grpc.keepalive_time_ms", 60000);  // find dead peers holding streams
+  builder.AddChannelArgument("grpc.keepalive_timeout_ms", 20000);
   builder.RegisterCallbackGenericService(server);
   server->server = builder.BuildAndStart();
   if (server->server == nullptr || *port == 0) {
@@ -652,13 +702,23 @@ void kvdp_server_counters(void* handle, uint64_t* out) {
   out[4] = server->active_grants();
 }
 
-// In-flight calls get grace_s to finish, then are cancelled; the segment is unmapped last.
-void kvdp_server_stop(void* handle, double grace_s) {
+// Stops serving: in-flight calls get grace_s to finish, then are cancelled. The handle stays
+// valid (grants, revocations and counters still work) until kvdp_server_free. Idempotent.
+void kvdp_server_shutdown(void* handle, double grace_s) {
   auto* server = static_cast<DataPlaneServer*>(handle);
+  if (server->server == nullptr || server->shut_down.exchange(true)) return;
+  grace_s = std::min(std::max(grace_s, 0.0), kMaxTtlS);
   server->server->Shutdown(std::chrono::system_clock::now() +
                            std::chrono::duration_cast<std::chrono::system_clock::duration>(
                                std::chrono::duration<double>(grace_s)));
   server->server->Wait();
+}
+
+// Frees a handle after kvdp_server_shutdown (which it calls with no grace if needed); the segment
+// is unmapped last.
+void kvdp_server_free(void* handle) {
+  auto* server = static_cast<DataPlaneServer*>(handle);
+  kvdp_server_shutdown(handle, 0);
   server->server.reset();
   delete server;
 }

@@ -38,6 +38,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import uuid
 from typing import Iterator, Sequence
 
@@ -320,34 +321,42 @@ class KVStoreClient:
 
 class _DataPlaneLink:
     """Channels to the data planes of the sidecar behind ``target`` (one per advertised port), and
-    the decision to stop trying them once one cannot be reached (a firewalled port)."""
+    a pause of ``RETRY_AFTER_S`` in using a port once it could not be reached (a firewalled port,
+    a restarting sidecar): Get carries the blocks meanwhile."""
+
+    RETRY_AFTER_S = 30.0
 
     def __init__(self, target: str, root_certificates: bytes | None, token: str | None, client_id: str):
         self._host = data_plane_host(target)
         self._credentials = (root_certificates, token, client_id)
         self._clients: dict[int, dataplane.DataPlaneClient] = {}
-        self._unreachable = False
+        self._retry_at: dict[int, float] = {}  # port -> when to try it again
+        self._closed = False
         self._lock = threading.Lock()
 
     def read(self, grant: SlotGrant, views: list[np.ndarray], first_slot: int, timeout_s: float | None) -> bool:
         """True when the slots arrived whole; False (logged) when the stream failed."""
-        if self._unreachable:
-            return False
         client = self._client(grant.data_port)
+        if client is None:
+            return False
         try:
             client.read(grant.data_grant, views, first_slot, timeout_s=timeout_s)
         except dataplane.DataPlaneError as exc:
             if exc.code in (_UNAVAILABLE, _DEADLINE_EXCEEDED):
-                self._unreachable = True
-                log.warning("the sidecar's data plane at %s cannot be reached (%s): Get carries every block "
-                            "from now on", client.target, exc)
+                with self._lock:
+                    self._retry_at[grant.data_port] = time.monotonic() + self.RETRY_AFTER_S
+                log.warning("the sidecar's data plane at %s cannot be reached (%s): Get carries the blocks for "
+                            "the next %.0f s", client.target, exc, self.RETRY_AFTER_S)
             else:
                 log.debug("reading slots from the data plane failed: %s", exc)
             return False
         return True
 
-    def _client(self, port: int) -> dataplane.DataPlaneClient:
+    def _client(self, port: int) -> dataplane.DataPlaneClient | None:
+        """The client of ``port``; None while it is paused or after ``close``."""
         with self._lock:
+            if self._closed or time.monotonic() < self._retry_at.get(port, 0.0):
+                return None
             if port not in self._clients:
                 root_certificates, token, client_id = self._credentials
                 self._clients[port] = dataplane.DataPlaneClient(f"{self._host}:{port}", token=token,
@@ -357,7 +366,7 @@ class _DataPlaneLink:
 
     def close(self) -> None:
         with self._lock:
-            clients, self._clients = self._clients, {}
+            clients, self._clients, self._closed = self._clients, {}, True
         for client in clients.values():
             client.close()
 

@@ -35,12 +35,12 @@ from kvstore.errors import InvalidRequest, KVStoreError
 
 log = logging.getLogger(__name__)
 
-ABI_VERSION = 2  # kvdp_abi_version() of the library these declarations match
+ABI_VERSION = 3  # kvdp_abi_version() of the library these declarations match
 GRANT_BYTES = 16
 MAX_CHUNK_BYTES = 16 << 20  # _dataplane.cc's kMaxChunkBytes
 PROTOCOL_ERROR = -1  # kvdp_client_read: the stream's bytes did not fit the buffers
 _ERR_BYTES = 512
-_NOT_FOUND = 5  # grpc.StatusCode.NOT_FOUND's number
+_NOT_FOUND, _UNAVAILABLE = 5, 14  # grpc.StatusCode numbers
 
 
 class DataPlaneError(KVStoreError):
@@ -81,7 +81,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
                                       c.POINTER(c.c_uint64), c.c_double, c.c_char_p, c.c_size_t]
     lib.kvdp_server_revoke.argtypes = [c.c_void_p, c.c_char_p, c.c_size_t]
     lib.kvdp_server_counters.argtypes = [c.c_void_p, c.POINTER(c.c_uint64)]
-    lib.kvdp_server_stop.argtypes = [c.c_void_p, c.c_double]
+    lib.kvdp_server_shutdown.argtypes = [c.c_void_p, c.c_double]
+    lib.kvdp_server_free.argtypes = [c.c_void_p]
     lib.kvdp_client_open.restype = c.c_void_p
     lib.kvdp_client_open.argtypes = [c.c_char_p, c.c_char_p, c.c_char_p, c.c_char_p, c.c_char_p, c.c_size_t]
     lib.kvdp_client_read.argtypes = [c.c_void_p, c.c_char_p, c.c_size_t, c.c_uint32, c.c_size_t, c.POINTER(c.c_void_p),
@@ -144,44 +145,64 @@ class DataPlaneServer:
         self._lib = lib
         self.port = port.value
         self._grants: dict[int, tuple[bytes, float]] = {}  # lease id -> (token, deadline)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the grants, and the handle against its freeing
+        self._stopping = threading.Lock()  # one stop() at a time
+        self._final = DataPlaneCounters(0, 0, 0, 0, 0)  # what counters() says once freed
 
-    def grant(self, lease_id: int, regions: Sequence[tuple[int, int]], ttl_s: float) -> bytes:
+    def grant(self, lease_id: int, regions: Sequence[tuple[int, int]], ttl_s: float) -> bytes | None:
         """A fresh token letting ReadSlots calls read ``regions`` ((offset, nbytes) each; any range of
-        them, in order) for ``ttl_s`` seconds (the lease's) or until ``revoke``. Raises
-        ``InvalidRequest`` for a region off the segment."""
+        them, in order) for ``ttl_s`` seconds or until ``revoke``; give less than the lease's
+        remaining time, so the grant ends first. None once stopped. Raises ``InvalidRequest`` for
+        a region off the segment."""
         token, err = secrets.token_bytes(GRANT_BYTES), ctypes.create_string_buffer(_ERR_BYTES)
         offsets, sizes = _u64_array([r[0] for r in regions]), _u64_array([r[1] for r in regions])
-        if self._lib.kvdp_server_grant(self._handle, token, len(token), len(regions), offsets, sizes, ttl_s, err,
-                                       _ERR_BYTES):
-            raise InvalidRequest(err.value.decode())
         with self._lock:
+            if self._handle is None:
+                return None
+            if self._lib.kvdp_server_grant(self._handle, token, len(token), len(regions), offsets, sizes, ttl_s,
+                                           err, _ERR_BYTES):
+                raise InvalidRequest(err.value.decode())
             now = time.monotonic()
             self._grants = {k: v for k, v in self._grants.items() if v[1] > now}  # expired ones are gone natively
             self._grants[lease_id] = (token, now + ttl_s)
         return token
 
     def revoke(self, lease_id: int) -> None:
-        """Drop the grant of ``lease_id`` if any (its lease ended); a call already streaming goes on."""
+        """Drop the grant of ``lease_id`` if any. Once this returns, no stream reads another byte of
+        its slots (a stream in progress ends NOT_FOUND): call it before the lease ends."""
         with self._lock:
             held = self._grants.pop(lease_id, None)
-        if held is not None:
-            self._lib.kvdp_server_revoke(self._handle, held[0], len(held[0]))
+            if held is not None and self._handle is not None:
+                self._lib.kvdp_server_revoke(self._handle, held[0], len(held[0]))
 
     def counters(self) -> DataPlaneCounters:
+        with self._lock:
+            if self._handle is None:
+                return self._final
+            return self._counters_locked()
+
+    def _counters_locked(self) -> DataPlaneCounters:
         out = (ctypes.c_uint64 * 5)()
         self._lib.kvdp_server_counters(self._handle, out)
         return DataPlaneCounters(*out)
 
     def stop(self, grace_s: float = 5.0) -> None:
-        """Stop serving: in-flight calls get ``grace_s`` to finish. Idempotent."""
-        handle, self._handle = self._handle, None
-        if handle:
-            self._lib.kvdp_server_stop(handle, grace_s)
+        """Stop serving: in-flight calls get ``grace_s`` to finish (grants and revocations still work
+        meanwhile), then the server is freed. Idempotent and thread-safe."""
+        with self._stopping:
+            handle = self._handle
+            if handle is None:
+                return
+            self._lib.kvdp_server_shutdown(handle, grace_s)  # not under _lock: grants and revokes go on
+            with self._lock:
+                self._final = self._counters_locked()
+                self._handle = None
+                self._lib.kvdp_server_free(handle)
 
 
 class DataPlaneClient:
-    """A channel to one sidecar's data plane (``HOST:PORT``); thread-safe."""
+    """A channel to one sidecar's data plane (``HOST:PORT``); thread-safe: ``close`` waits for the
+    reads in progress, and a read after it raises ``DataPlaneError`` (UNAVAILABLE)."""
 
     def __init__(self, target: str, *, root_certificates: bytes | None = None, token: str | None = None,
                  client_id: str = ""):
@@ -193,6 +214,8 @@ class DataPlaneClient:
             raise InvalidRequest(err.value.decode())
         self._lib = lib
         self.target = target
+        self._reads = 0
+        self._idle = threading.Condition()
 
     def read(self, grant: bytes, dsts: Sequence, first_slot: int = 0, chunk_bytes: int = 0,
              timeout_s: float | None = None) -> None:
@@ -203,13 +226,25 @@ class DataPlaneClient:
         pointers = (ctypes.c_void_p * len(views))(*[v.ctypes.data for v in views])
         sizes = _u64_array([v.nbytes for v in views])
         err = ctypes.create_string_buffer(_ERR_BYTES)
-        code = self._lib.kvdp_client_read(self._handle, grant, len(grant), first_slot, len(views), pointers, sizes,
-                                          chunk_bytes, timeout_s or 0.0, err, _ERR_BYTES)
+        with self._idle:
+            if self._handle is None:
+                raise DataPlaneError(_UNAVAILABLE, f"ReadSlots from {self.target}: the client is closed")
+            self._reads += 1
+        try:
+            code = self._lib.kvdp_client_read(self._handle, grant, len(grant), first_slot, len(views), pointers,
+                                              sizes, chunk_bytes, timeout_s or 0.0, err, _ERR_BYTES)
+        finally:
+            with self._idle:
+                self._reads -= 1
+                self._idle.notify_all()
         if code:
             raise DataPlaneError(code, f"ReadSlots from {self.target}: {err.value.decode()}")
 
     def close(self) -> None:
-        handle, self._handle = self._handle, None
+        """Close the channel once the reads in progress are done. Idempotent."""
+        with self._idle:
+            handle, self._handle = self._handle, None
+            self._idle.wait_for(lambda: self._reads == 0)
         if handle:
             self._lib.kvdp_client_close(handle)
 

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Iterator
 
-from kvstore.errors import InvalidRequest, KVStoreError
+from kvstore.errors import InvalidRequest, KVStoreError, NotPermitted
 
 MESSAGE_OVERHEAD_BYTES = 1 << 10  # room for a chunk's index, offset and framing
 
@@ -110,6 +110,13 @@ class ClientLeases:
         self.per_client = per_client
         self._expiry: dict[str, dict[int, float]] = collections.defaultdict(dict)  # client -> lease -> deadline
         self._owner: dict[int, str] = {}
+
+    def check_owner(self, client: str, lease_id: int) -> None:
+        """Raise ``NotPermitted`` if another client holds ``lease_id`` (unknown ids pass: the store
+        answers for them)."""
+        owner = self._owner.get(lease_id)
+        if owner is not None and owner != client:
+            raise NotPermitted(f"lease {lease_id} belongs to another client; only its holder may end it")
 
     def check(self, client: str) -> None:
         """Raise ``LimitExceeded`` if ``client`` may not take another lease now."""

@@ -20,7 +20,7 @@ import time
 import grpc
 import numpy as np
 
-from kvstore.errors import InvalidRequest, KVStoreError, StoreClosed, UnknownLease, UnknownNamespace
+from kvstore.errors import InvalidRequest, KVStoreError, NotPermitted, StoreClosed, UnknownLease, UnknownNamespace
 from kvstore.service import shm, wire
 from kvstore.service.chunk_codec import encode_chunk
 from kvstore.service.chunks import BlockAssembler, check_block_bytes, iter_chunks
@@ -39,6 +39,7 @@ STATUS_CODES: dict[type, grpc.StatusCode] = {
     UnknownNamespace: grpc.StatusCode.NOT_FOUND,
     UnknownLease: grpc.StatusCode.NOT_FOUND,
     LimitExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    NotPermitted: grpc.StatusCode.PERMISSION_DENIED,
     StoreClosed: grpc.StatusCode.UNAVAILABLE,  # the sidecar is shutting down: retry elsewhere or later
     KVStoreError: grpc.StatusCode.FAILED_PRECONDITION,
 }
@@ -46,6 +47,7 @@ STATUS_CODES: dict[type, grpc.StatusCode] = {
 
 CLIENT_METADATA = "kvstore-client"
 STREAM_GROUP_BYTES = 4 << 20  # a streamed Get loads about this much ahead of what it sends
+GRANT_MARGIN_S = 0.05  # a data-plane grant ends this long before its lease (same monotonic clock)
 
 
 def _load_group(store: TieredStore, ns_id: bytes, block_bytes: int, hashes: list[bytes]):
@@ -169,9 +171,11 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
 
     @translate_errors
     async def Get(self, request, context):
-        hashes = list(request.block_hashes)
+        hashes, client = list(request.block_hashes), client_of(context)
+        if request.HasField("lease_id"):
+            self._leases.check_owner(client, request.lease_id)
         self._limits.check_blocks("max_transfer_blocks", len(hashes))
-        with self._transfers.hold(client_of(context)):
+        with self._transfers.hold(client):
             spec = self._store.spec(request.namespace_id)
             check_block_bytes(request.block_bytes or spec.block_bytes, spec.block_bytes, "destination buffer",
                               len(hashes))
@@ -181,10 +185,10 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
                 return
             dsts = [np.empty(spec.block_bytes, np.uint8) for _ in hashes]  # [block_bytes] uint8 each
             lease_id = wire.optional(request, "lease_id")
+            if lease_id is not None:
+                self._lease_ended(lease_id)  # the load ends it in the store
             started = time.perf_counter()
             result = await asyncio.to_thread(self._store.load, request.namespace_id, hashes, dsts, lease_id)
-            if lease_id is not None:
-                self._lease_ended(lease_id)
             self.metrics.load(request.namespace_id, result.tiers, "bytes", time.perf_counter() - started)
             yield pb.GetResponse(header=pb.GetHeader(requested_blocks=len(hashes), tiers=result.tiers,
                                                      block_bytes=spec.block_bytes))
@@ -223,8 +227,8 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             if pending is not None:  # the client went away mid-stream: let the load finish, unread
                 pending.add_done_callback(lambda f: f.cancelled() or f.exception())
             if lease_id is not None:
-                await asyncio.to_thread(_end_lease, self._store, lease_id)
                 self._lease_ended(lease_id)
+                await asyncio.to_thread(_end_lease, self._store, lease_id)
             self.metrics.load(request.namespace_id, tiers, "bytes", time.perf_counter() - started)
 
     @translate_errors
@@ -232,15 +236,13 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         self._limits.check_blocks("max_lookup_blocks", len(request.block_hashes))  # no payload bytes move
         client = client_of(context)
         self._leases.check(client)
-        started = time.perf_counter()
+        started, leased_after = time.perf_counter(), time.monotonic()
         grant = await asyncio.to_thread(shm.leased_slots, self._store, request.namespace_id,
                                         list(request.block_hashes), request.lease_ttl_s)
         if grant.lease_id is not None:
             self._leases.add(client, grant.lease_id, request.lease_ttl_s)
         if self._data_plane is not None and grant.slots:
-            token = self._data_plane.grant(grant.lease_id, [(s.offset, s.nbytes) for s in grant.slots],
-                                           request.lease_ttl_s)
-            grant = dataclasses.replace(grant, data_grant=token, data_port=self._data_plane.port)
+            grant = await self._granted(grant, request.lease_ttl_s - (time.monotonic() - leased_after))
         self.metrics.load(request.namespace_id, ["host"] * len(grant.slots), "shm", time.perf_counter() - started)
         return wire.slots_to_proto(grant)
 
@@ -285,7 +287,20 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         finally:
             staging.recycle(payloads)  # the store copied them
 
+    async def _granted(self, grant: shm.SlotGrant, lease_left_s: float) -> shm.SlotGrant:
+        """``grant`` with a data-plane grant of its slots that ends before its lease does."""
+        try:
+            token = self._data_plane.grant(grant.lease_id, [(s.offset, s.nbytes) for s in grant.slots],
+                                           lease_left_s - GRANT_MARGIN_S)
+        except BaseException:
+            self._lease_ended(grant.lease_id)
+            await asyncio.to_thread(_end_lease, self._store, grant.lease_id)
+            raise
+        return dataclasses.replace(grant, data_grant=token, data_port=self._data_plane.port) if token else grant
+
     def _lease_ended(self, lease_id: int) -> None:
+        """Forget ``lease_id``; call it before the store ends the lease (the data plane's revoke
+        guarantees no slot of it is read afterwards)."""
         self._leases.drop(lease_id)
         if self._data_plane is not None:
             self._data_plane.revoke(lease_id)
@@ -307,6 +322,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
 
     @translate_errors
     async def Release(self, request, context):
+        self._leases.check_owner(client_of(context), request.lease_id)
         self._lease_ended(request.lease_id)
         await asyncio.to_thread(self._store.release, request.lease_id)
         return pb.ReleaseResponse()

@@ -191,6 +191,79 @@ def test_streams_past_the_limits_are_resource_exhausted_naming_the_limit(segment
         server.stop(0)
 
 
+@pytest.mark.parametrize("ending", ["revoke", "deadline"])
+def test_a_stream_stops_reading_the_slots_once_its_grant_ends(segment, ending):
+    """Revoked (the lease is being released) or past its deadline, a grant's slots are never read
+    again: a stream in progress ends NOT_FOUND instead of sending bytes a reused slot now holds."""
+    server = DataPlaneServer("127.0.0.1:0", segment[0], max_chunk_bytes=64 << 10)
+    total = 64 * SEGMENT_BYTES  # 512 MiB of chunks: far more than the transport buffers
+    grant = server.grant(1, [(0, SEGMENT_BYTES)] * 64, ttl_s=1.0 if ending == "deadline" else 60)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stream = BlockDataStub(channel).ReadSlots(pb.ReadSlotsRequest(grant=grant))
+            received = len(next(stream).data)
+            if ending == "revoke":
+                server.revoke(1)
+            else:
+                time.sleep(1.2)
+            with pytest.raises(grpc.RpcError) as info:
+                for message in stream:
+                    received += len(message.data)
+            assert info.value.code() == grpc.StatusCode.NOT_FOUND
+            assert "lease ended during the stream" in info.value.details()
+            assert received < total
+    finally:
+        server.stop(0)
+
+
+def test_stopping_while_grants_revocations_and_scrapes_go_on_is_safe(segment):
+    server = DataPlaneServer("127.0.0.1:0", segment[0])
+    stop = threading.Event()
+    errors = []
+
+    def churn() -> None:
+        lease = 0
+        while not stop.is_set():
+            lease += 1
+            try:
+                server.grant(lease, REGIONS, ttl_s=30)
+                server.counters()
+                server.revoke(lease)
+            except Exception as exc:  # noqa: BLE001 - surfaced below
+                errors.append(exc)
+
+    threads = [threading.Thread(target=churn) for _ in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(0.1)
+    stoppers = [threading.Thread(target=server.stop, args=(0.1,)) for _ in range(2)]
+    for t in stoppers:
+        t.start()
+    for t in stoppers:
+        t.join(30)
+    stop.set()
+    for t in threads:
+        t.join(30)
+    assert not errors
+    assert server.grant(10**9, REGIONS, ttl_s=30) is None, "a stopped data plane grants nothing"
+    assert server.counters().calls == 0 and server.counters().live_grants >= 0
+
+
+def test_closing_a_client_waits_for_its_reads_and_refuses_new_ones(segment, served):
+    server, client = served
+    grant = server.grant(1, [(0, SEGMENT_BYTES)] * 16, ttl_s=30)  # 128 MiB: the read takes a while
+    dsts = [np.zeros(SEGMENT_BYTES, np.uint8) for _ in range(16)]
+    reader = threading.Thread(target=client.read, args=(grant, dsts))
+    reader.start()
+    time.sleep(0.01)
+    client.close()  # waits for the read
+    reader.join(30)
+    expect(segment, [(0, SEGMENT_BYTES)], dsts[-1:])
+    with pytest.raises(DataPlaneError) as info:
+        client.read(grant, dsts[:1])
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE.value[0] and "closed" in str(info.value)
+
+
 def test_the_bearer_token_is_required_when_configured(segment):
     server = DataPlaneServer("127.0.0.1:0", segment[0], token=TOKEN)
     try:

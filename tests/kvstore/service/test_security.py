@@ -115,3 +115,19 @@ def test_a_tenant_without_the_cache_salt_cannot_look_up_or_read_anothers_blocks(
     dsts = [np.zeros(spec.block_bytes, np.uint8) for _ in alice_hashes]
     assert client.load(mallory_id, alice_hashes, dsts).loaded_blocks == 0 and not any(d.any() for d in dsts)
     assert client.lookup(alice_id, alice_hashes).hit_blocks == len(alice_hashes)
+
+
+def test_only_the_client_that_took_a_lease_may_end_it(server, namespace, spec, chain):
+    with KVStoreClient(server.target, timeout_s=10) as holder, KVStoreClient(server.target, timeout_s=10) as other:
+        ns_id = holder.register_namespace(namespace)
+        holder.put(ns_id, chain[:2], payloads_for(spec, chain[:2]))
+        lease = holder.lookup(ns_id, chain[:2], lease_ttl_s=30).lease_id
+        dsts = [np.zeros(spec.block_bytes, np.uint8) for _ in range(2)]
+        for attempt in (lambda: other.release(lease), lambda: other.load(ns_id, chain[:2], dsts, lease_id=lease)):
+            with pytest.raises(grpc.RpcError) as info:
+                attempt()
+            assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert f"lease {lease} belongs to another client" in info.value.details()
+        assert holder.stats().leases_active == 1, "the lease survived both"
+        holder.release(lease)
+        assert holder.stats().leases_active == 0
