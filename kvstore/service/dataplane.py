@@ -6,11 +6,13 @@ gRPC server in the sidecar process, the ``kvstore.v1.BlockData`` service:
 
     GetSlots (Python, control)   leases the hit and, when the data plane runs, registers a grant:
                                  a random token naming the leased slots' regions of the host
-                                 tier's segment, valid until the lease ends or its TTL passes
+                                 tier's segment, ending 50 ms before the lease's TTL
     ReadSlots (C++, data)        presents the token and a range of its slots; their bytes stream
-                                 back in order as zero-copy slices of the mapped segment, chunked
-    Release (Python, control)    ends the lease and revokes an unused grant; NOT_FOUND means the
-                                 lease expired and the copies must be discarded (as for shm)
+                                 back in order, each chunk copied out of the mapped segment under
+                                 the grant's lock after checking it is live
+    Release (Python, control)    revokes the grant (a running stream stops), then ends the lease;
+                                 NOT_FOUND means the lease expired and the copies must be
+                                 discarded (as for shm)
 
 ``DataPlaneServer`` and ``DataPlaneClient`` wrap the C ABI with ctypes (the library is built by
 setup.py from gRPC's Debian C++ packages). ``available()`` is False where it was not built: the
