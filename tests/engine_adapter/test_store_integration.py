@@ -11,9 +11,11 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from connectors.store_connector import StoreConnector
 from engine_adapter.engine import Engine
+from engine_adapter.model import DeepseekForCausalLM
 from engine_adapter.namespace import namespace_for
 from engine_adapter.paged_cache import PagePool
 from engine_adapter.sequence import Request
@@ -120,4 +122,34 @@ def test_a_store_that_dropped_the_indexer_keys_is_a_miss_never_a_partial_hit(v32
     [out] = consumer.run([Request(prompt, NEW)])
     assert out.stats.connector_hit_tokens == 0 and out.stats.computed_prompt_tokens == 45
     assert_matches_cold(model, recorder, prompt, out.output_ids, computed_from=0)
+    store.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_a_prefix_from_host_then_from_disk_gives_the_cold_tokens(v32, tmp_path):
+    """The device-pool path of StoreConnector (pinned staging, non-blocking copies, a sync per
+    layer) and of the store's whole-block reads for disk hits, on a real GPU."""
+    model = DeepseekForCausalLM.from_pretrained(v32.directory, dtype=torch.float32, device="cuda")
+    prompt = prompt_ids(45, seed=31)
+    cold = Engine(model, PagePool(model.config, 32, page_size=P, device="cuda")).generate([prompt], NEW)
+    namespace = namespace_for(model.config, "deepseek", P)
+
+    def engine(store) -> tuple[Engine, StoreConnector]:
+        connector = StoreConnector(store, namespace)
+        return Engine(model, PagePool(model.config, 32, page_size=P, device="cuda"), connector=connector), connector
+
+    store = open_store(tmp_path)
+    producer, connector = engine(store)
+    producer.run([Request(prompt, NEW)])
+    connector.flush()
+    [out] = engine(store)[0].run([Request(prompt, NEW)])
+    assert (out.stats.connector_hit_tokens, out.stats.computed_prompt_tokens) == (40, 5)
+    assert [list(out.output_ids)] == cold and store.stats().tier("host").loaded_blocks >= 5
+    store.flush()
+    store.close()
+
+    store = open_store(tmp_path)  # host tier empty: the prefix comes from disk
+    [out] = engine(store)[0].run([Request(prompt, NEW)])
+    assert out.stats.connector_hit_tokens == 40 and [list(out.output_ids)] == cold
+    assert store.stats().tier("disk").loaded_blocks >= 5
     store.close()
