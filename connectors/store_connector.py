@@ -78,7 +78,7 @@ class StoreConnector(KVConnector):
                     target = pool.layer_page_bytes(layer, page)  # [layer_bytes] uint8
                     if target.device.type == "cpu":
                         loaded = self.store.load_layer(self.ns_id, block_hash, layer, host_view(target))
-                    else:  # UNTESTED on a GPU: stage in pinned memory, copy without blocking the host
+                    else:  # a device pool (tested on an H100): stage in pinned memory, copy without blocking
                         if staging is None:
                             staging = torch.empty((len(hashes), target.numel()), dtype=torch.uint8).pin_memory()
                         loaded = self.store.load_layer(self.ns_id, block_hash, layer, staging[i].numpy())

@@ -46,7 +46,8 @@ class PagePool(PageAllocator):
                              f"{config.kv_lora_rank} + {config.qk_rope_head_dim}")
         if config.is_v32 and config.index_head_dim != INDEXER_WIDTH:
             raise ValueError(f"the indexer_bf16 format holds 128 values per token, got {config.index_head_dim}")
-        self.config, self.page_size, self.device = config, page_size, torch.device(device)
+        # the concrete device ("cuda" resolves to "cuda:N"), so it compares equal to a tensor's .device
+        self.config, self.page_size, self.device = config, page_size, torch.empty(0, device=device).device
         self.with_indexer = config.is_v32
         mla_bytes = page_size * MLA_BYTES_PER_TOKEN
         self.layer_bytes = mla_bytes + (page_size * INDEXER_BYTES_PER_TOKEN if self.with_indexer else 0)

@@ -26,11 +26,13 @@ def make_engine(model, num_pages: int = 32, evicted: list | None = None, **kw) -
 
 def assert_matches_cold(model, recorder: Recorder, prompt: list[int], outputs, computed_from: int,
                         chunk: int | None = None) -> None:
-    """Greedy tokens equal a cold run's; so do the logits of every position the engine computed."""
+    """Greedy tokens equal a cold run's; so do the logits of every position the engine computed
+    (float32: attention over cached pages sums in another order than a cold run's; up to 3.5e-5
+    apart on a 16-core host with torch 2.11, under 1e-5 here; wrong KV is off by O(1))."""
     ref_tokens, ref_logits = reference_greedy(model, prompt, NEW, chunk)
     assert list(outputs) == ref_tokens
     positions = range(computed_from, len(prompt) + NEW - 1)
-    assert rel_err(recorder.logits(positions), ref_logits[computed_from:]) < 1e-5
+    assert rel_err(recorder.logits(positions), ref_logits[computed_from:]) < 1e-4
 
 
 @pytest.mark.parametrize("pair_name", ["v3", "v32"])

@@ -9,13 +9,16 @@ hit count: the engine computes everything and still matches the cold run.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from connectors.factory import connector_from_config
 from connectors.sidecar_connector import SidecarConnector
 from engine_adapter.engine import Engine
+from engine_adapter.model import DeepseekForCausalLM
 from engine_adapter.namespace import namespace_for
 from engine_adapter.paged_cache import PagePool
 from engine_adapter.sequence import Request
+from kvstore.service.client import KVStoreClient
 from tests.connectors.sidecar_server import Sidecar, unused_address
 from tests.engine_adapter.engine_helpers import Recorder, prompt_ids, reference_greedy
 from tests.engine_adapter.hf_oracle import rel_err
@@ -81,3 +84,26 @@ def test_an_engine_over_a_sidecar_that_is_down_computes_everything(v3):
     assert out.stats.connector_hit_tokens == 0 and out.stats.computed_prompt_tokens == 45
     assert_matches_cold(model, recorder, prompt, out.output_ids, computed_from=0)
     connector.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("shared_memory", [True, False])
+def test_on_cuda_engines_share_hits_through_the_sidecar(v32, sidecar, shared_memory):
+    """Device pages gathered to the host for saves and scattered back for loads, on a real GPU,
+    through shared memory or (a client that cannot map it) the data plane or Get."""
+    model = DeepseekForCausalLM.from_pretrained(v32.directory, dtype=torch.float32, device="cuda")
+    prompt = prompt_ids(45, seed=43)
+    cold = Engine(model, PagePool(model.config, 32, page_size=P, device="cuda")).generate([prompt], NEW)
+    namespace = namespace_for(model.config, "deepseek", P)
+    saver = SidecarConnector(sidecar.target, namespace)
+    Engine(model, PagePool(model.config, 32, page_size=P, device="cuda"), connector=saver).run([Request(prompt, NEW)])
+    saver.flush()
+    with KVStoreClient(sidecar.target, shared_memory=shared_memory) as client:
+        loader = SidecarConnector(client, namespace)
+        engine = Engine(model, PagePool(model.config, 32, page_size=P, device="cuda"), connector=loader)
+        [out] = engine.run([Request(prompt, NEW)])
+        loader.close()
+    saver.close()
+    assert (out.stats.connector_hit_tokens, out.stats.computed_prompt_tokens) == (40, 5)
+    assert [list(out.output_ids)] == cold
+    assert engine.pool.layer_page_bytes(0, 0).is_cuda
