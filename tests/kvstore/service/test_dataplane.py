@@ -374,3 +374,50 @@ def test_a_grant_dies_with_its_lease_and_the_copies_are_void(remote_sidecar):
     assert not remote.release_grant(grant), "the lease expired: the copies must be discarded"
     with pytest.raises(InvalidRequest, match="do not match slots"):
         remote.stream_slots(grant, dsts[:1] + [np.zeros(5, np.uint8)])
+
+
+def test_fuzzed_requests_get_a_status_or_exactly_the_granted_bytes_and_the_server_serves_on(segment):
+    """Arbitrary request bytes and arbitrary fields around a real grant: every answer is one of
+    the documented statuses with a message, or the exact bytes of the slots asked for."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    small = [(17, 3000), (5000, 1), (SEGMENT_BYTES - 700, 700)]
+    server = DataPlaneServer("127.0.0.1:0", segment[0], max_chunk_bytes=1024)
+    grant = server.grant(1, small, ttl_s=600)
+    allowed = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.OUT_OF_RANGE}
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    raw = channel.unary_stream("/kvstore.v1.BlockData/ReadSlots", response_deserializer=pb.SlotBytes.FromString)
+    u32 = st.integers(0, 2**32 - 1)
+    structured = st.builds(lambda g, c, f, n: pb.ReadSlotsRequest(grant=g, chunk_bytes=c, first_slot=f,
+                                                                   num_slots=n).SerializeToString(),
+                           st.sampled_from([grant, grant[:8], b""]) | st.binary(max_size=20),
+                           u32 | st.integers(0, 4096), st.integers(0, 4) | u32, st.integers(0, 4) | u32)
+
+    outcomes = set()
+
+    @settings(max_examples=150, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(st.binary(max_size=64) | structured)
+    def answer(request: bytes) -> None:
+        try:
+            data = b"".join(message.data for message in raw(request, timeout=10))
+        except grpc.RpcError as exc:
+            assert exc.code() in allowed and exc.details(), (exc.code(), exc.details())
+            outcomes.add(exc.code())
+            return
+        outcomes.add("served")
+        parsed = pb.ReadSlotsRequest.FromString(request)  # it was served, so it parses
+        first = parsed.first_slot
+        end = len(small) if parsed.num_slots == 0 else first + parsed.num_slots
+        assert data == b"".join(segment[1][o : o + n].tobytes() for o, n in small[first:end])
+
+    try:
+        answer()
+        assert {"served", grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND} <= outcomes, outcomes
+        dsts = buffers(small)
+        DataPlaneClient(f"127.0.0.1:{server.port}").read(grant, dsts)
+        expect(segment, small, dsts)
+    finally:
+        channel.close()
+        server.stop(0)
