@@ -4,7 +4,7 @@
   xxHash's header (Debian: libxxhash-dev); without them kvstore.keys falls back to its Python loop,
   which gives the same digests.
 - ``kvstore.service._dataplane``: the sidecar's native data plane, a C++ gRPC server and client for
-  the bytes path (kvstore/service/_dataplane.cc, loaded with ctypes by kvstore.service.dataplane).
+  the bytes path (kvstore/service/dataplane_native/, loaded with ctypes by kvstore.service.dataplane).
   Needs g++ and gRPC's C++ library (Debian: g++, libgrpc++-dev, pkg-config); without them the
   sidecar serves bytes through its Python Get alone.
 
@@ -25,13 +25,17 @@ def pkg_config(*args: str) -> list[str] | None:
     return shlex.split(out)
 
 
+NATIVE_HEADERS = ["kvstore/service/dataplane_native/common.h", "kvstore/service/dataplane_native/wire.h"]
+
+
 def dataplane_extension() -> list[Extension]:
     cflags, libs = pkg_config("--cflags", "grpc++"), pkg_config("--libs", "grpc++")
     if cflags is None or libs is None:
         print("warning: gRPC's C++ library not found (Debian: libgrpc++-dev pkg-config): "
               "building without the sidecar's native data plane")
         return []
-    return [Extension("kvstore.service._dataplane", sources=["kvstore/service/_dataplane.cc"], language="c++",
+    sources = ["kvstore/service/dataplane_native/server.cc", "kvstore/service/dataplane_native/client.cc"]
+    return [Extension("kvstore.service._dataplane", sources=sources, depends=NATIVE_HEADERS, language="c++",
                       extra_compile_args=["-O2", "-std=c++17", *cflags], extra_link_args=libs, optional=True)]
 
 

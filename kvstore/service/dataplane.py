@@ -1,4 +1,4 @@
-"""The sidecar's native data plane: the bytes path across hosts, in C++ (``_dataplane.cc``).
+"""The sidecar's native data plane: the bytes path across hosts, in C++ (``dataplane_native/``).
 
 Python's gRPC tops out near 0.4x a raw loopback TCP stream here however it is tuned (README,
 "Sidecar benchmark"), so payload bytes bound for another host leave through a second, native
@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 ABI_VERSION = 3  # kvdp_abi_version() of the library these declarations match
 GRANT_BYTES = 16
-MAX_CHUNK_BYTES = 16 << 20  # _dataplane.cc's kMaxChunkBytes
+MAX_CHUNK_BYTES = 16 << 20  # dataplane_native/server.cc: kMaxChunkBytes
 PROTOCOL_ERROR = -1  # kvdp_client_read: the stream's bytes did not fit the buffers
 _ERR_BYTES = 512
 _NOT_FOUND, _UNAVAILABLE = 5, 14  # grpc.StatusCode numbers
@@ -67,7 +67,7 @@ def _library() -> ctypes.CDLL | None:
             lib = ctypes.CDLL(path)
             version = lib.kvdp_abi_version() if hasattr(lib, "kvdp_abi_version") else 1
             if version != ABI_VERSION:  # a stale build: calling it with these signatures would crash
-                log.warning("ignoring %s: built from another version of _dataplane.cc (ABI %d, not %d); "
+                log.warning("ignoring %s: built from another version of dataplane_native/ (ABI %d, not %d); "
                             "reinstall the package (make) to rebuild it", path, version, ABI_VERSION)
                 return None
             return _declare(lib)

@@ -1,4 +1,4 @@
-"""The native data plane (kvstore.service.dataplane, _dataplane.cc) on its own: a real C++ gRPC
+"""The native data plane (kvstore.service.dataplane, dataplane_native/) on its own: a real C++ gRPC
 server on port 0 over a segment file in tmp, read by the C++ client and by Python's generated
 stub (the wire contract), with grants, ranges, expiry, revocation, sizes, auth and TLS."""
 

@@ -21,11 +21,12 @@
 //
 // A C ABI for ctypes (kvstore/service/dataplane.py), not a Python module: functions return 0 or
 // a gRPC status code and write a message into the caller's error buffer.
+//
+// This file: the server (grants, stream limits, the ReadSlots reactor) and its C ABI;
+// client.cc is the client, wire.h the messages.
 
 #include <grpcpp/generic/async_generic_service.h>
-#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
-#include <grpcpp/security/credentials.h>
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/support/byte_buffer.h>
 #include <grpcpp/support/slice.h>
@@ -37,9 +38,7 @@
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
-#include <cstdint>
-#include <cstdio>
+#include <cerrno>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -47,154 +46,11 @@
 #include <string>
 #include <vector>
 
+#include "common.h"
+#include "wire.h"
+
+namespace kvdp {
 namespace {
-
-constexpr char kMethod[] = "/kvstore.v1.BlockData/ReadSlots";
-constexpr int kProtocolError = -1;  // the stream's bytes do not match what the caller expects
-constexpr uint32_t kMaxChunkBytes = 16u << 20;
-constexpr int kLookaheadBytes = 64 << 20;  // HTTP/2 stream window: a whole transfer in flight
-
-using Clock = std::chrono::steady_clock;
-
-void set_error(char* err, size_t errlen, const std::string& message) {
-  if (err != nullptr && errlen > 0) std::snprintf(err, errlen, "%s", message.c_str());
-}
-
-// ---- protobuf wire format, the two small messages of BlockData --------------------------------
-
-void append_varint(std::string* out, uint64_t value) {
-  while (value >= 0x80) {
-    out->push_back(static_cast<char>((value & 0x7f) | 0x80));
-    value >>= 7;
-  }
-  out->push_back(static_cast<char>(value));
-}
-
-// Reads bytes across the slices of one received message.
-class SliceReader {
- public:
-  explicit SliceReader(const std::vector<grpc::Slice>& slices) : slices_(slices) {}
-
-  bool done() {
-    skip_empty();
-    return index_ == slices_.size();
-  }
-
-  bool byte(uint8_t* out) {
-    skip_empty();
-    if (index_ == slices_.size()) return false;
-    *out = slices_[index_].begin()[offset_++];
-    return true;
-  }
-
-  bool varint(uint64_t* out) {
-    *out = 0;
-    for (int shift = 0; shift < 64; shift += 7) {
-      uint8_t b;
-      if (!byte(&b)) return false;
-      *out |= static_cast<uint64_t>(b & 0x7f) << shift;
-      if ((b & 0x80) == 0) return true;
-    }
-    return false;
-  }
-
-  // Hands the next n bytes to sink(pointer, length) piece by piece; false if fewer remain.
-  template <typename Sink>
-  bool take(uint64_t n, Sink sink) {
-    while (n > 0) {
-      skip_empty();
-      if (index_ == slices_.size()) return false;
-      size_t here = std::min<uint64_t>(n, slices_[index_].size() - offset_);
-      if (!sink(slices_[index_].begin() + offset_, here)) return false;
-      offset_ += here;
-      n -= here;
-    }
-    return true;
-  }
-
-  // Skips a field of the given wire type (its tag already read).
-  bool skip_field(uint64_t wire_type) {
-    uint64_t n;
-    switch (wire_type) {
-      case 0: return varint(&n);
-      case 1: return take(8, [](const uint8_t*, size_t) { return true; });
-      case 2: return varint(&n) && take(n, [](const uint8_t*, size_t) { return true; });
-      case 5: return take(4, [](const uint8_t*, size_t) { return true; });
-      default: return false;
-    }
-  }
-
- private:
-  void skip_empty() {
-    while (index_ < slices_.size() && offset_ == slices_[index_].size()) {
-      ++index_;
-      offset_ = 0;
-    }
-  }
-
-  const std::vector<grpc::Slice>& slices_;
-  size_t index_ = 0;
-  size_t offset_ = 0;
-};
-
-std::vector<grpc::Slice> slices_of(grpc::ByteBuffer* buffer) {
-  std::vector<grpc::Slice> slices;
-  buffer->Dump(&slices);
-  return slices;
-}
-
-struct ReadRequest {
-  std::string grant;
-  uint32_t chunk_bytes = 0;
-  uint32_t first_slot = 0;
-  uint32_t num_slots = 0;  // 0: through the grant's last slot
-};
-
-uint32_t clamp32(uint64_t value) { return static_cast<uint32_t>(std::min<uint64_t>(value, UINT32_MAX)); }
-
-// ReadSlotsRequest { bytes grant = 1; uint32 chunk_bytes = 2; uint32 first_slot = 3; uint32 num_slots = 4; }
-bool parse_request(grpc::ByteBuffer* buffer, ReadRequest* request) {
-  std::string* grant = &request->grant;
-  std::vector<grpc::Slice> slices = slices_of(buffer);
-  SliceReader reader(slices);
-  while (!reader.done()) {
-    uint64_t tag, value;
-    if (!reader.varint(&tag)) return false;
-    if (tag == (1 << 3 | 2)) {
-      grant->clear();
-      if (!reader.varint(&value) || value > 1024) return false;
-      if (!reader.take(value, [grant](const uint8_t* p, size_t n) {
-            grant->append(reinterpret_cast<const char*>(p), n);
-            return true;
-          }))
-        return false;
-    } else if (tag == (2 << 3 | 0) || tag == (3 << 3 | 0) || tag == (4 << 3 | 0)) {
-      if (!reader.varint(&value)) return false;
-      uint32_t* field = tag == (2 << 3 | 0) ? &request->chunk_bytes
-                        : tag == (3 << 3 | 0) ? &request->first_slot : &request->num_slots;
-      *field = clamp32(value);
-    } else if (!reader.skip_field(tag & 7)) {
-      return false;
-    }
-  }
-  return true;
-}
-
-std::string encode_request(const ReadRequest& request) {
-  std::string out;
-  out.push_back(1 << 3 | 2);
-  append_varint(&out, request.grant.size());
-  out += request.grant;
-  const std::pair<int, uint32_t> numbers[] = {{2, request.chunk_bytes}, {3, request.first_slot}, {4, request.num_slots}};
-  for (const auto& [field, value] : numbers) {
-    if (value == 0) continue;
-    out.push_back(static_cast<char>(field << 3 | 0));
-    append_varint(&out, value);
-  }
-  return out;
-}
-
-// ---- server ------------------------------------------------------------------------------------
 
 struct Region {
   uint64_t offset;
@@ -488,135 +344,10 @@ std::shared_ptr<grpc::ServerCredentials> server_credentials(const char* cert_pem
   return grpc::SslServerCredentials(options);
 }
 
-// ---- client ------------------------------------------------------------------------------------
-
-struct DataPlaneClient {
-  std::shared_ptr<grpc::Channel> channel;
-  std::unique_ptr<grpc::GenericStub> stub;
-  std::string bearer;
-  std::string client_id;
-};
-
-// Where received payload bytes go: the caller's buffers, filled in order.
-class Destinations {
- public:
-  Destinations(size_t n, uint8_t* const* dsts, const uint64_t* sizes) : dsts_(dsts, dsts + n), sizes_(sizes, sizes + n) {
-    for (size_t i = 0; i < n; ++i) expected_ += sizes[i];
-  }
-
-  bool write(const uint8_t* p, size_t n) {
-    while (n > 0) {
-      if (index_ == dsts_.size()) return false;
-      size_t here = std::min<uint64_t>(n, sizes_[index_] - offset_);
-      std::memcpy(dsts_[index_] + offset_, p, here);
-      p += here;
-      n -= here;
-      offset_ += here;
-      received_ += here;
-      if (offset_ == sizes_[index_]) {
-        ++index_;
-        offset_ = 0;
-      }
-    }
-    return true;
-  }
-
-  uint64_t received() const { return received_; }
-  uint64_t expected() const { return expected_; }
-
- private:
-  std::vector<uint8_t*> dsts_;
-  std::vector<uint64_t> sizes_;
-  size_t index_ = 0;
-  uint64_t offset_ = 0;
-  uint64_t received_ = 0;
-  uint64_t expected_ = 0;
-};
-
-// Copies the data fields of one SlotBytes message into dsts; false when it is malformed or overflows.
-bool consume_message(grpc::ByteBuffer* buffer, Destinations* dsts) {
-  std::vector<grpc::Slice> slices = slices_of(buffer);
-  SliceReader reader(slices);
-  while (!reader.done()) {
-    uint64_t tag, n;
-    if (!reader.varint(&tag)) return false;
-    if (tag != (1 << 3 | 2)) {
-      if (!reader.skip_field(tag & 7)) return false;
-      continue;
-    }
-    if (!reader.varint(&n)) return false;
-    if (!reader.take(n, [dsts](const uint8_t* p, size_t k) { return dsts->write(p, k); })) return false;
-  }
-  return true;
-}
-
-// The blocking ReadSlots call on its own completion queue (thread-safe: one queue per call).
-class ReadCall {
- public:
-  explicit ReadCall(DataPlaneClient* client, double timeout_s) {
-    if (timeout_s > 0)
-      context_.set_deadline(std::chrono::system_clock::now() +
-                            std::chrono::duration_cast<std::chrono::system_clock::duration>(
-                                std::chrono::duration<double>(timeout_s)));
-    if (!client->bearer.empty()) context_.AddMetadata("authorization", "Bearer " + client->bearer);
-    if (!client->client_id.empty()) context_.AddMetadata("kvstore-client", client->client_id);
-    call_ = client->stub->PrepareCall(&context_, kMethod, &queue_);
-  }
-
-  ~ReadCall() {
-    queue_.Shutdown();
-    void* tag;
-    bool ok;
-    while (queue_.Next(&tag, &ok)) {
-    }
-  }
-
-  bool start(const std::string& request) {
-    grpc::Slice slice(request);
-    grpc::ByteBuffer buffer(&slice, 1);
-    call_->StartCall(nullptr);
-    if (!wait()) return false;
-    call_->Write(buffer, nullptr);
-    if (!wait()) return false;
-    call_->WritesDone(nullptr);
-    return wait();
-  }
-
-  bool read(grpc::ByteBuffer* buffer) {
-    call_->Read(buffer, nullptr);
-    return wait();
-  }
-
-  grpc::Status finish() {
-    grpc::Status status;
-    call_->Finish(&status, nullptr);
-    wait();
-    return status;
-  }
-
-  void cancel() { context_.TryCancel(); }
-
- private:
-  bool wait() {
-    void* tag;
-    bool ok = false;
-    return queue_.Next(&tag, &ok) && ok;
-  }
-
-  grpc::ClientContext context_;
-  grpc::CompletionQueue queue_;
-  std::unique_ptr<grpc::GenericClientAsyncReaderWriter> call_;
-};
-
-grpc::ChannelArguments channel_arguments() {
-  grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(-1);
-  args.SetInt("grpc.http2.lookahead_bytes", kLookaheadBytes);
-  args.SetInt("grpc.http2.bdp_probe", 0);  // the fixed window above beats probing on loopback
-  return args;
-}
-
 }  // namespace
+}  // namespace kvdp
+
+using namespace kvdp;  // the C ABI below wraps the classes above
 
 extern "C" {
 
@@ -722,68 +453,5 @@ void kvdp_server_free(void* handle) {
   server->server.reset();
   delete server;
 }
-
-// A channel to a data plane at target (HOST:PORT). root_pem: TLS roots, or NULL for plaintext.
-void* kvdp_client_open(const char* target, const char* root_pem, const char* bearer, const char* client_id,
-                       char* err, size_t errlen) {
-  std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
-  if (root_pem != nullptr) {
-    grpc::SslCredentialsOptions options;
-    options.pem_root_certs = root_pem;
-    credentials = grpc::SslCredentials(options);
-  }
-  auto channel = grpc::CreateCustomChannel(target, credentials, channel_arguments());
-  if (channel == nullptr) {
-    set_error(err, errlen, std::string("cannot create a channel to ") + target);
-    return nullptr;
-  }
-  auto* client = new DataPlaneClient{channel, std::make_unique<grpc::GenericStub>(channel), bearer ? bearer : "",
-                                     client_id ? client_id : ""};
-  return client;
-}
-
-// ReadSlots with grant, its slots [first_slot, first_slot + n): the stream's bytes fill dsts[0..n)
-// (sizes[i] bytes each) in order. Returns
-// 0 when exactly that many bytes arrived, a gRPC status code when the call failed, or -1 when the
-// stream's bytes did not fit the buffers; dsts then hold partial bytes the caller must discard.
-int kvdp_client_read(void* handle, const uint8_t* grant, size_t grant_len, uint32_t first_slot, size_t n,
-                     uint8_t* const* dsts, const uint64_t* sizes, uint32_t chunk_bytes, double timeout_s, char* err,
-                     size_t errlen) {
-  auto* client = static_cast<DataPlaneClient*>(handle);
-  Destinations destinations(n, dsts, sizes);
-  ReadCall call(client, timeout_s);
-  bool fits = true;
-  ReadRequest request{std::string(reinterpret_cast<const char*>(grant), grant_len), chunk_bytes, first_slot,
-                      clamp32(n)};
-  if (n == 0) return 0;  // num_slots 0 would mean "through the last"
-  if (call.start(encode_request(request))) {
-    grpc::ByteBuffer buffer;
-    while (call.read(&buffer)) {
-      if (!consume_message(&buffer, &destinations)) {
-        fits = false;
-        call.cancel();
-        break;
-      }
-    }
-  }
-  grpc::Status status = call.finish();
-  if (!fits) {
-    set_error(err, errlen, "the ReadSlots stream sent more bytes than the " + std::to_string(destinations.expected()) +
-                               " expected, or a malformed message");
-    return kProtocolError;
-  }
-  if (!status.ok()) {
-    set_error(err, errlen, status.error_message());
-    return static_cast<int>(status.error_code());
-  }
-  if (destinations.received() != destinations.expected()) {
-    set_error(err, errlen, "the ReadSlots stream ended after " + std::to_string(destinations.received()) + " of " +
-                               std::to_string(destinations.expected()) + " bytes");
-    return kProtocolError;
-  }
-  return 0;
-}
-
-void kvdp_client_close(void* handle) { delete static_cast<DataPlaneClient*>(handle); }
 
 }  // extern "C"
