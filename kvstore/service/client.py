@@ -69,12 +69,13 @@ log = logging.getLogger(__name__)
 class KVStoreClient:
     def __init__(self, target: str, timeout_s: float | None = 60.0, limits: ServiceLimits = ServiceLimits(),
                  token: str | None = None, root_certificates: bytes | None = None, *,
-                 shared_memory: bool = True, data_plane: bool = True):
+                 shared_memory: bool = True, data_plane: bool = True, data_plane_streams: int | None = None):
         """``target``: ``HOST:PORT`` or ``unix:PATH``. ``timeout_s`` bounds every call (None: no bound);
         ``limits`` must match the server's (chunk and message sizes). ``token``: the sidecar's bearer
         token (None: from the environment, if set there); ``root_certificates``: PEM roots for TLS.
         ``shared_memory=False`` never maps the sidecar's segments (behaves as from another host);
-        ``data_plane=False`` never uses the native data plane (Get carries every byte)."""
+        ``data_plane=False`` never uses the native data plane (Get carries every byte);
+        ``data_plane_streams``: concurrent ReadSlots calls per read (None: ``dataplane.default_streams``)."""
         keep_heap_for_transfers()  # Get's messages and gRPC's read buffers: no page faults per transfer
         options = limits.channel_options()
         root_certificates = root_certificates if root_certificates is not None else _ca_from_env()
@@ -94,7 +95,8 @@ class KVStoreClient:
         self._timeout = timeout_s
         self._limits = limits
         self._shared_memory = shared_memory
-        self._data_plane = _DataPlaneLink(target, root_certificates, token, self.client_id) \
+        streams = data_plane_streams or dataplane.default_streams()
+        self._data_plane = _DataPlaneLink(target, root_certificates, token, self.client_id, streams) \
             if data_plane and dataplane.available() else None
         self._segments = SegmentMaps()
         self._staging = SegmentMaps(writable=True)
@@ -326,9 +328,11 @@ class _DataPlaneLink:
 
     RETRY_AFTER_S = 30.0
 
-    def __init__(self, target: str, root_certificates: bytes | None, token: str | None, client_id: str):
+    def __init__(self, target: str, root_certificates: bytes | None, token: str | None, client_id: str,
+                 streams: int):
         self._host = data_plane_host(target)
         self._credentials = (root_certificates, token, client_id)
+        self._streams = streams
         self._clients: dict[int, dataplane.DataPlaneClient] = {}
         self._retry_at: dict[int, float] = {}  # port -> when to try it again
         self._closed = False
@@ -361,7 +365,7 @@ class _DataPlaneLink:
                 root_certificates, token, client_id = self._credentials
                 self._clients[port] = dataplane.DataPlaneClient(f"{self._host}:{port}", token=token,
                                                                 root_certificates=root_certificates,
-                                                                client_id=client_id)
+                                                                client_id=client_id, streams=self._streams)
             return self._clients[port]
 
     def close(self) -> None:

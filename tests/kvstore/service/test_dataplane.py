@@ -421,3 +421,34 @@ def test_fuzzed_requests_get_a_status_or_exactly_the_granted_bytes_and_the_serve
     finally:
         channel.close()
         server.stop(0)
+
+
+@pytest.mark.parametrize("streams", [2, 3])
+def test_a_read_split_over_concurrent_streams_lands_every_slot_in_place(segment, served, streams):
+    server, _ = served
+    regions = [(i * 97_001, 50_000 + i) for i in range(7)]
+    client = DataPlaneClient(f"127.0.0.1:{server.port}", streams=streams)
+    try:
+        grant = server.grant(1, regions, ttl_s=30)
+        calls = server.counters().calls
+        dsts = buffers(regions)
+        client.read(grant, dsts[1:], first_slot=1, chunk_bytes=8192)
+        expect(segment, regions[1:], dsts[1:])
+        assert server.counters().calls - calls == streams, "one ReadSlots call per part"
+        short = buffers(regions)
+        short[-1] = short[-1][:-1]
+        with pytest.raises(DataPlaneError) as info:  # the last part fails: the read fails, once all ended
+            client.read(grant, short)
+        assert info.value.code == dataplane.PROTOCOL_ERROR
+        client.read(grant, dsts[:1])  # one slot: one call
+        expect(segment, regions[:1], dsts[:1])
+    finally:
+        client.close()
+    with pytest.raises(InvalidRequest, match="streams must be at least 1"):
+        DataPlaneClient(f"127.0.0.1:{server.port}", streams=0)
+
+
+@pytest.mark.parametrize("cores, streams", [(1, 1), (2, 1), (3, 1), (4, 2), (16, 2), (None, 1)])
+def test_reads_use_two_streams_on_hosts_of_four_cores_or_more(monkeypatch, cores, streams):
+    monkeypatch.setattr(dataplane.os, "cpu_count", lambda: cores)
+    assert dataplane.default_streams() == streams
