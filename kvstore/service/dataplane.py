@@ -28,7 +28,7 @@ import os
 import secrets
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Sequence
@@ -38,7 +38,7 @@ from kvstore.errors import InvalidRequest, KVStoreError
 
 log = logging.getLogger(__name__)
 
-ABI_VERSION = 3  # kvdp_abi_version() of the library these declarations match
+ABI_VERSION = 4  # kvdp_abi_version() of the library these declarations match
 GRANT_BYTES = 16
 MAX_CHUNK_BYTES = 16 << 20  # dataplane_native/server.cc: kMaxChunkBytes
 PROTOCOL_ERROR = -1  # kvdp_client_read: the stream's bytes did not fit the buffers
@@ -152,22 +152,27 @@ class DataPlaneServer:
         self._stopping = threading.Lock()  # one stop() at a time
         self._final = DataPlaneCounters(0, 0, 0, 0, 0)  # what counters() says once freed
 
-    def grant(self, lease_id: int, regions: Sequence[tuple[int, int]], ttl_s: float) -> bytes | None:
+    def grant(self, lease_id: int, regions: Sequence[tuple[int, int]], ttl_s: float | None = None, *,
+              deadline: float | None = None) -> bytes | None:
         """A fresh token letting ReadSlots calls read ``regions`` ((offset, nbytes) each; any range of
-        them, in order) for ``ttl_s`` seconds or until ``revoke``; give less than the lease's
-        remaining time, so the grant ends first. None once stopped. Raises ``InvalidRequest`` for
-        a region off the segment."""
+        them, in order) until ``deadline`` (a ``time.monotonic()`` instant; the C++ side reads the
+        same clock) or for ``ttl_s`` seconds from now, or until ``revoke``. Give a deadline before
+        the lease's, so the grant ends first. None once stopped. Raises ``InvalidRequest`` for a
+        region off the segment."""
+        if (ttl_s is None) == (deadline is None):
+            raise InvalidRequest("give a grant either ttl_s or deadline")
+        deadline = time.monotonic() + ttl_s if deadline is None else deadline
         token, err = secrets.token_bytes(GRANT_BYTES), ctypes.create_string_buffer(_ERR_BYTES)
         offsets, sizes = _u64_array([r[0] for r in regions]), _u64_array([r[1] for r in regions])
         with self._lock:
             if self._handle is None:
                 return None
-            if self._lib.kvdp_server_grant(self._handle, token, len(token), len(regions), offsets, sizes, ttl_s,
+            if self._lib.kvdp_server_grant(self._handle, token, len(token), len(regions), offsets, sizes, deadline,
                                            err, _ERR_BYTES):
                 raise InvalidRequest(err.value.decode())
             now = time.monotonic()
             self._grants = {k: v for k, v in self._grants.items() if v[1] > now}  # expired ones are gone natively
-            self._grants[lease_id] = (token, now + ttl_s)
+            self._grants[lease_id] = (token, deadline)
         return token
 
     def revoke(self, lease_id: int) -> None:
@@ -241,31 +246,34 @@ class DataPlaneClient:
         then hold partial bytes. The GIL is released while bytes move."""
         views = [byte_view(d, writable=True) for d in dsts]
         with self._idle:
-            if self._handle is None:
+            handle = self._handle  # valid until close() sees this read end
+            if handle is None:
                 raise DataPlaneError(_UNAVAILABLE, f"ReadSlots from {self.target}: the client is closed")
             self._reads += 1
+        helpers = []
         try:
             parts = min(self.streams, max(1, len(views) // 2))
             bounds = [len(views) * i // parts for i in range(parts + 1)]
-            helpers = [self._helpers.submit(self._read_one, grant, views[lo:hi], first_slot + lo, chunk_bytes,
-                                            timeout_s) for lo, hi in zip(bounds[1:-1], bounds[2:])]
-            errors = [self._read_one(grant, views[: bounds[1]], first_slot, chunk_bytes, timeout_s)]
-            errors += [h.result() for h in helpers]  # every call ends before read returns or raises
+            helpers = [self._helpers.submit(self._read_one, handle, grant, views[lo:hi], first_slot + lo,
+                                            chunk_bytes, timeout_s) for lo, hi in zip(bounds[1:-1], bounds[2:])]
+            errors = [self._read_one(handle, grant, views[: bounds[1]], first_slot, chunk_bytes, timeout_s)]
         finally:
+            wait(helpers)  # every part has stopped writing into dsts before read returns or raises
             with self._idle:
                 self._reads -= 1
                 self._idle.notify_all()
+        errors += [h.result() for h in helpers]  # all done: re-raises a part's unexpected exception
         failed = next((e for e in errors if e is not None), None)
         if failed is not None:
             raise failed
 
-    def _read_one(self, grant: bytes, views: list, first_slot: int, chunk_bytes: int,
+    def _read_one(self, handle: int, grant: bytes, views: list, first_slot: int, chunk_bytes: int,
                   timeout_s: float | None) -> DataPlaneError | None:
-        """One ReadSlots call into ``views``; the error, or None."""
+        """One ReadSlots call into ``views`` on ``handle``; the error, or None."""
         pointers = (ctypes.c_void_p * len(views))(*[v.ctypes.data for v in views])
         sizes = _u64_array([v.nbytes for v in views])
         err = ctypes.create_string_buffer(_ERR_BYTES)
-        code = self._lib.kvdp_client_read(self._handle, grant, len(grant), first_slot, len(views), pointers,
+        code = self._lib.kvdp_client_read(handle, grant, len(grant), first_slot, len(views), pointers,
                                           sizes, chunk_bytes, timeout_s or 0.0, err, _ERR_BYTES)
         return DataPlaneError(code, f"ReadSlots from {self.target}: {err.value.decode()}") if code else None
 

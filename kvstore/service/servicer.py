@@ -242,7 +242,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         if grant.lease_id is not None:
             self._leases.add(client, grant.lease_id, request.lease_ttl_s)
         if self._data_plane is not None and grant.slots:
-            grant = await self._granted(grant, request.lease_ttl_s - (time.monotonic() - leased_after))
+            grant = await self._granted(grant, leased_after + request.lease_ttl_s)
         self.metrics.load(request.namespace_id, ["host"] * len(grant.slots), "shm", time.perf_counter() - started)
         return wire.slots_to_proto(grant)
 
@@ -287,11 +287,12 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         finally:
             staging.recycle(payloads)  # the store copied them
 
-    async def _granted(self, grant: shm.SlotGrant, lease_left_s: float) -> shm.SlotGrant:
-        """``grant`` with a data-plane grant of its slots that ends before its lease does."""
+    async def _granted(self, grant: shm.SlotGrant, lease_ends_by: float) -> shm.SlotGrant:
+        """``grant`` with a data-plane grant of its slots that ends before its lease does
+        (``lease_ends_by``: a ``time.monotonic()`` instant no later than the lease's expiry)."""
         try:
             token = self._data_plane.grant(grant.lease_id, [(s.offset, s.nbytes) for s in grant.slots],
-                                           lease_left_s - GRANT_MARGIN_S)
+                                           deadline=lease_ends_by - GRANT_MARGIN_S)
         except BaseException:
             self._lease_ended(grant.lease_id)
             await asyncio.to_thread(_end_lease, self._store, grant.lease_id)

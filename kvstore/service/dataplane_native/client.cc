@@ -144,6 +144,8 @@ grpc::ChannelArguments channel_arguments() {
   args.SetMaxReceiveMessageSize(-1);
   args.SetInt("grpc.http2.lookahead_bytes", kLookaheadBytes);
   args.SetInt("grpc.http2.bdp_probe", 0);  // the fixed window above beats probing on loopback
+  args.SetInt("grpc.keepalive_time_ms", 30000);  // a peer gone silently fails a read without a deadline
+  args.SetInt("grpc.keepalive_timeout_ms", 10000);
   return args;
 }
 
@@ -181,12 +183,12 @@ int kvdp_client_read(void* handle, const uint8_t* grant, size_t grant_len, uint3
                      uint8_t* const* dsts, const uint64_t* sizes, uint32_t chunk_bytes, double timeout_s, char* err,
                      size_t errlen) {
   auto* client = static_cast<DataPlaneClient*>(handle);
+  if (n == 0) return 0;  // num_slots 0 would mean "through the last"
   Destinations destinations(n, dsts, sizes);
   ReadCall call(client, timeout_s);
   bool fits = true;
   ReadRequest request{std::string(reinterpret_cast<const char*>(grant), grant_len), chunk_bytes, first_slot,
                       clamp32(n)};
-  if (n == 0) return 0;  // num_slots 0 would mean "through the last"
   if (call.start(encode_request(request))) {
     grpc::ByteBuffer buffer;
     while (call.read(&buffer)) {

@@ -166,9 +166,12 @@ class DataPlaneServer : public grpc::CallbackGenericService {
     return new ReadSlotsReactor(this, context);
   }
 
-  int grant(const std::string& token, std::vector<Region> regions, double ttl_s, char* err, size_t errlen) {
-    if (!(ttl_s >= 0)) ttl_s = 0;  // NaN or negative: expired at once
-    ttl_s = std::min(ttl_s, kMaxTtlS);
+  // deadline_s: CLOCK_MONOTONIC seconds (Python's time.monotonic(); libstdc++'s steady_clock reads
+  // the same clock), so the caller can end the grant at an exact instant before its lease's.
+  int grant(const std::string& token, std::vector<Region> regions, double deadline_s, char* err, size_t errlen) {
+    double now_s = std::chrono::duration<double>(Clock::now().time_since_epoch()).count();
+    if (!(deadline_s >= 0)) deadline_s = 0;  // NaN or negative: expired at once
+    deadline_s = std::min(deadline_s, now_s + kMaxTtlS);
     for (const Region& r : regions) {
       if (r.offset > size_ || r.nbytes > size_ - r.offset) {
         set_error(err, errlen, "region [" + std::to_string(r.offset) + ", +" + std::to_string(r.nbytes) +
@@ -176,10 +179,10 @@ class DataPlaneServer : public grpc::CallbackGenericService {
         return static_cast<int>(grpc::StatusCode::INVALID_ARGUMENT);
       }
     }
-    auto ttl = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(ttl_s));
     auto entry = std::make_shared<Grant>();
     entry->regions = std::move(regions);
-    entry->deadline = Clock::now() + ttl;
+    entry->deadline = Clock::time_point(std::chrono::duration_cast<Clock::duration>(
+        std::chrono::duration<double>(deadline_s)));
     std::lock_guard<std::mutex> lock(mutex_);
     purge_expired_locked();
     grants_[token] = std::move(entry);
@@ -352,7 +355,7 @@ using namespace kvdp;  // the C ABI below wraps the classes above
 extern "C" {
 
 // Bumped whenever a signature below changes: dataplane.py refuses a library of another version.
-int kvdp_abi_version() { return 3; }
+int kvdp_abi_version() { return 4; }
 
 // Starts a server on address (HOST:PORT, port 0 picks one) over the segment file at segment_path,
 // mapped read-only. cert_pem/key_pem: TLS (both or neither); bearer: required token, or NULL.
@@ -409,14 +412,14 @@ void* kvdp_server_start(const char* address, const char* segment_path, const cha
   return server;
 }
 
-// Lets ReadSlots calls with this token read the n regions (any range of them, in order) for
-// ttl_s seconds or until revoked.
+// Lets ReadSlots calls with this token read the n regions (any range of them, in order) until
+// deadline_s (CLOCK_MONOTONIC seconds) or until revoked.
 int kvdp_server_grant(void* handle, const uint8_t* token, size_t token_len, size_t n, const uint64_t* offsets,
-                      const uint64_t* sizes, double ttl_s, char* err, size_t errlen) {
+                      const uint64_t* sizes, double deadline_s, char* err, size_t errlen) {
   std::vector<Region> regions(n);
   for (size_t i = 0; i < n; ++i) regions[i] = Region{offsets[i], sizes[i]};
   return static_cast<DataPlaneServer*>(handle)->grant(std::string(reinterpret_cast<const char*>(token), token_len),
-                                                       std::move(regions), ttl_s, err, errlen);
+                                                       std::move(regions), deadline_s, err, errlen);
 }
 
 void kvdp_server_revoke(void* handle, const uint8_t* token, size_t token_len) {

@@ -249,8 +249,10 @@ def test_stopping_while_grants_revocations_and_scrapes_go_on_is_safe(segment):
     assert server.counters().calls == 0 and server.counters().live_grants >= 0
 
 
-def test_closing_a_client_waits_for_its_reads_and_refuses_new_ones(segment, served):
-    server, client = served
+@pytest.mark.parametrize("streams", [1, 3])
+def test_closing_a_client_waits_for_its_reads_and_refuses_new_ones(segment, served, streams):
+    server, _ = served
+    client = DataPlaneClient(f"127.0.0.1:{server.port}", streams=streams)
     grant = server.grant(1, [(0, SEGMENT_BYTES)] * 16, ttl_s=30)  # 128 MiB: the read takes a while
     dsts = [np.zeros(SEGMENT_BYTES, np.uint8) for _ in range(16)]
     reader = threading.Thread(target=client.read, args=(grant, dsts))
@@ -452,3 +454,22 @@ def test_a_read_split_over_concurrent_streams_lands_every_slot_in_place(segment,
 def test_reads_use_two_streams_on_hosts_of_four_cores_or_more(monkeypatch, cores, streams):
     monkeypatch.setattr(dataplane.os, "cpu_count", lambda: cores)
     assert dataplane.default_streams() == streams
+
+
+def test_a_deadline_is_an_instant_of_pythons_monotonic_clock(served):
+    """The servicer ends a grant at an exact instant before its lease's: the C++ side must read the
+    same clock as time.monotonic()."""
+    server, client = served
+    past = server.grant(1, REGIONS[:1], deadline=time.monotonic() - 0.001)
+    soon = server.grant(2, REGIONS[:1], deadline=time.monotonic() + 0.5)
+    with pytest.raises(DataPlaneError) as info:
+        client.read(past, buffers(REGIONS[:1]))
+    assert info.value.expired
+    client.read(soon, buffers(REGIONS[:1]))
+    time.sleep(0.6)
+    with pytest.raises(DataPlaneError) as info:
+        client.read(soon, buffers(REGIONS[:1]))
+    assert info.value.expired
+    for wrong in ({}, {"ttl_s": 1, "deadline": time.monotonic() + 1}):
+        with pytest.raises(InvalidRequest, match="either ttl_s or deadline"):
+            server.grant(3, REGIONS[:1], **wrong)
