@@ -26,13 +26,19 @@ def layers_match(view: np.ndarray, expected: Sequence[int]) -> bool:
     return layer_checksums(view, len(expected)) == tuple(expected)
 
 
+# Below this a payload hashes faster inline than a hand-off to a thread costs (xxh3 hashes 256 KiB
+# in about 25 us; a future's round trip is 20-50 us).
+MIN_OFFLOAD_BYTES = 256 * 1024
+
+
 def checksums_ahead(payloads: Sequence[np.ndarray], num_layers: int, executor: Executor | None,
-                    ahead: int = 1) -> Iterator[tuple[int, ...]]:
+                    ahead: int = 1, min_offload_bytes: int = MIN_OFFLOAD_BYTES) -> Iterator[tuple[int, ...]]:
     """``layer_checksums`` of each payload in order, computing up to ``ahead`` payloads beyond the
     one the caller works on in ``executor``, so hashing the next block overlaps with writing this
-    one (a write releases the GIL while the device works). No executor, or one payload: inline.
+    one (a write releases the GIL while the device works). Inline with no executor, for one
+    payload, or for payloads under ``min_offload_bytes`` (the first one's size decides).
     Closing the iterator early waits for nothing and cancels what has not started."""
-    if executor is None or len(payloads) < 2:
+    if executor is None or len(payloads) < 2 or payloads[0].nbytes < min_offload_bytes:
         yield from (layer_checksums(p, num_layers) for p in payloads)
         return
     pending: list[Future] = []

@@ -28,7 +28,7 @@ def test_layer_checksums_see_every_layer():
 def test_checksums_ahead_are_the_checksums_in_order(count, ahead):
     payloads = _payloads(count)
     with ThreadPoolExecutor(2) as executor:
-        got = list(checksums_ahead(payloads, 4, executor, ahead))
+        got = list(checksums_ahead(payloads, 4, executor, ahead, min_offload_bytes=0))
     assert got == [layer_checksums(p, 4) for p in payloads]
     assert list(checksums_ahead(payloads, 4, None)) == got
 
@@ -42,7 +42,27 @@ def test_closing_early_cancels_what_has_not_started(monkeypatch):
 
     monkeypatch.setattr(checksum, "layer_checksums", slow_hash)
     with ThreadPoolExecutor(1) as executor:
-        sums = checksums_ahead(payloads, 4, executor, ahead=5)
+        sums = checksums_ahead(payloads, 4, executor, ahead=5, min_offload_bytes=0)
         assert next(sums) == layer_checksums(payloads[0], 4)
         sums.close()
     assert len(hashed) <= 2  # the one consumed, and at most the one the worker had already begun
+
+
+class _CountingExecutor(ThreadPoolExecutor):
+    def __init__(self):
+        super().__init__(1)
+        self.submitted = 0
+
+    def submit(self, *args, **kwargs):
+        self.submitted += 1
+        return super().submit(*args, **kwargs)
+
+
+def test_small_payloads_are_hashed_inline_and_large_ones_ahead():
+    small = _payloads(5)  # 4,000 bytes each
+    large = [np.resize(p, 1 << 20) for p in small[:3]]
+    with _CountingExecutor() as executor:
+        assert list(checksums_ahead(small, 4, executor)) == [layer_checksums(p, 4) for p in small]
+        assert executor.submitted == 0
+        assert list(checksums_ahead(large, 4, executor)) == [layer_checksums(p, 4) for p in large]
+        assert executor.submitted == 3
