@@ -10,7 +10,7 @@ environment, the environment overrides defaults)::
     KVSTORE_DISK_CAPACITY=200GiB    disk tier bytes ("0" disables it; default: auto)
     KVSTORE_DURABLE=1               acknowledge a disk write only after fsync
     KVSTORE_DIRECT_IO=0             disk tier reads and writes buffered (default: O_DIRECT)
-    KVSTORE_POLICY=hit_density
+    KVSTORE_POLICY=adaptive         or lru, reuse_arc, hit_density, hit_density_pooled
     KVSTORE_WRITE_POLICY=write_through | on_eviction
     KVSTORE_PROMOTE_ON_HIT=1
     KVSTORE_LEASE_TTL_S=30

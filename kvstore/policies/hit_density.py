@@ -36,11 +36,18 @@ Costs: insert, access and remove O(1) amortised; an eviction samples ``samples``
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from typing import Callable, Iterator
 
 from kvstore.policies.base import ChainPolicy, Entry
+
+
+@functools.cache
+def _small_age_buckets(per_octave: int, age_buckets: int) -> tuple[int, ...]:
+    """The age bucket of every age below 2**17, shared by all policies of one shape."""
+    return tuple(min(age_buckets - 1, int(per_octave * math.log2(1 + age))) for age in range(1 << 17))
 
 
 class _Seen:
@@ -76,7 +83,7 @@ class HitDensityPolicy(ChainPolicy):
         self._ended = [[0.0] * self.age_buckets for _ in range(classes)]  # forgotten unreferenced
         self._density = [[1.0] * self.age_buckets for _ in range(classes)]
         self._widths = [2 ** ((b + 1) / self.per_octave) - 2 ** (b / self.per_octave) for b in range(self.age_buckets)]
-        self._bucket_of_small_age = [self._bucket_slow(age) for age in range(1 << 14)]
+        self._bucket_of_small_age = _small_age_buckets(self.per_octave, self.age_buckets)
         self._next_reconfigure = self.first_reconfigure
         self._rng = random.Random(seed)
 
@@ -217,15 +224,37 @@ class HitDensityPolicy(ChainPolicy):
 
     def _least_dense(self, eligible: Callable[[bytes], bool]) -> bytes | None:
         leaves = self._leaves
-        if not leaves:
+        n = len(leaves)
+        if not n:
             return None
+        # _density_of inlined: this loop is most of the policy's time
+        history, densities, now = self._history, self._density, self._now
+        small, random = self._bucket_of_small_age, self._rng.random
         best, best_density = None, math.inf
-        for _ in range(min(self.samples, len(leaves))):
-            key = leaves[int(self._rng.random() * len(leaves))]
-            density = self._density_of(key)
+        for _ in range(min(self.samples, n)):
+            key = leaves[int(random() * n)]
+            seen = history.get(key)
+            if seen is None:
+                density = 0.0
+            else:
+                age = now - seen.last
+                density = densities[seen.cls][small[age] if age < len(small) else self._bucket_slow(age)]
             if density < best_density and eligible(key):
                 best, best_density = key, density
         if best is None:  # the sample held nothing eligible: look at every leaf
             candidates = [key for key in leaves if eligible(key)]
             best = min(candidates, key=self._density_of, default=None)
         return best
+
+
+class PooledHitDensityPolicy(HitDensityPolicy):
+    """HitDensity with every block referenced twice or more in one class (per tail-ness).
+
+    Splitting reused blocks by use count (2, 3, 4+) helps where the count predicts the next reuse
+    (multi-turn chat: +1.5 to +2.2 points at small capacities) and misleads where it does not
+    (the Mooncake trace: 51.7% of the maximum at 3M tokens split, 54.1% pooled). ``adaptive``
+    runs both and follows the better one on the live workload.
+    """
+
+    name = "hit_density_pooled"
+    use_classes = 1
