@@ -390,14 +390,15 @@ class TieredStore(PlacementMixin):
             c = self._counters
             tiers = tuple(
                 replace(
-                    tier.stats(),
+                    stats,
                     hit_blocks=c[f"hit_blocks:{t}"],
                     loaded_blocks=c[f"loaded_blocks:{t}"],
                     evictions=c[f"evictions:{t}"],
                     demotions_in=c[f"demotions_in:{t}"],
                     promotions_in=c[f"promotions_in:{t}"],
+                    extra={**stats.extra, "policy": self._policies[t].leader},
                 )
-                for t, tier in enumerate(self.tiers)
+                for t, stats in enumerate(tier.stats() for tier in self.tiers)
             )
             return StoreStats(
                 tiers=tiers,

@@ -60,6 +60,11 @@ class EvictionPolicy(ABC):
         """Whether a new block deserves a slot at all (admission control). Default: always."""
         return True
 
+    @property
+    def leader(self) -> str:
+        """The name of the policy whose order is in effect: this one (a selector's leading candidate)."""
+        return self.name
+
     def __len__(self) -> int:
         return 0
 

@@ -234,6 +234,11 @@ class StoreCollector:
             for tier in stats.tiers:
                 family.add_metric([tier.name], getattr(tier, field_name))
             yield family
+        policy = GaugeMetricFamily("kvstore_tier_policy", "1 for the eviction policy in effect in the tier "
+                                   "(adaptive: its leading candidate)", labels=["tier", "policy"])
+        for tier in stats.tiers:
+            policy.add_metric([tier.name, tier.extra.get("policy", "")], 1)
+        yield policy
         yield CounterMetricFamily("kvstore_lease_expiries", "Leases that ended by TTL, never released",
                                   value=stats.lease_expiries)
         yield GaugeMetricFamily("kvstore_leases_active", "Leases held now", value=stats.leases_active)
@@ -274,5 +279,5 @@ METRIC_NAMES = (  # every sample family /metrics exports (counters with their _t
     "kvstore_put_duration_seconds",
     *(name + "_total" for name, _, _ in StoreCollector.COUNTERS),
     *(name for name, _, _ in StoreCollector.GAUGES),
-    "kvstore_lease_expiries_total", "kvstore_leases_active", "kvstore_namespaces",
+    "kvstore_tier_policy", "kvstore_lease_expiries_total", "kvstore_leases_active", "kvstore_namespaces",
 )

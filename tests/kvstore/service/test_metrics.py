@@ -58,6 +58,8 @@ def test_metrics_count_the_traffic_of_a_real_server(server, client, namespace, s
     assert got[("kvstore_tier_blocks", (("tier", "host"),))] == 3
     assert got[("kvstore_tier_written_bytes_total", (("tier", "host"),))] == host.bytes_written == 3 * spec.block_bytes
     assert got[("kvstore_namespaces", ())] == 1
+    assert host.extra["policy"] == "lru"  # the test store's policy
+    assert got[("kvstore_tier_policy", (("policy", "lru"), ("tier", "host")))] == 1
     assert got[("kvstore_leases_active", ())] == 0
 
     exported = {name for name, _ in got}
