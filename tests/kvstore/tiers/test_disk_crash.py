@@ -123,26 +123,41 @@ path, nbytes = sys.argv[1], int(sys.argv[2])
 tier = DiskTier(path, 64 << 20, segment_bytes=64 << 20)
 for i in range(5):
     assert put(tier, i, nbytes)
-real_pwrite = os.pwrite
+real_pwrite, real_pwritev = os.pwrite, os.pwritev
 
-def torn(fd, first, offset):
-    real_pwrite(fd, first, offset)
+def torn(write, fd, first, offset):
+    write(fd, first, offset)
     print(json.dumps({"size_at_commit": os.fstat(fd).st_size}), flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 
-def torn_pwritev(fd, buffers, offset):  # buffered appends: the header and part of the payload, then die
-    torn(fd, bytes(buffers[0]) + bytes(buffers[1])[:5000], offset)
+def torn_pwritev(fd, buffers, offset):
+    # buffered appends, or O_DIRECT from a page-aligned payload (written in place, which the
+    # allocator decides): the header and the payload's first page, aligned for either
+    torn(real_pwritev, fd, [buffers[0], memoryview(buffers[1])[:4096]], offset)
 
-def torn_pwrite(fd, data, offset):  # O_DIRECT appends (one aligned write): the header page and one more
-    torn(fd, memoryview(data)[:8192], offset)
+def torn_pwrite(fd, data, offset):  # O_DIRECT appends through the bounce buffer: the header page and one more
+    torn(real_pwrite, fd, memoryview(data)[:8192], offset)
 
 os.pwritev, os.pwrite = torn_pwritev, torn_pwrite
 put(tier, 5, nbytes)
 print("survived", flush=True)
 """
 
+# the same with page-aligned payloads, which O_DIRECT writes in place (one pwritev, no bounce copy)
+_KILL_MID_RECORD_IN_PLACE = """
+from kvstore.buffers import aligned_empty
+unaligned_payload_of = payload_of
 
-@pytest.mark.parametrize("script", [_KILL_AT_INDEX_COMMIT, _KILL_MID_RECORD], ids=["at_index_commit", "mid_record"])
+def payload_of(i, nbytes):
+    aligned = aligned_empty(nbytes)
+    aligned[:] = unaligned_payload_of(i, nbytes)
+    return aligned
+""" + _KILL_MID_RECORD
+_KILLS = [_KILL_AT_INDEX_COMMIT, _KILL_MID_RECORD, _KILL_MID_RECORD_IN_PLACE]
+_KILL_IDS = ["at_index_commit", "mid_record", "mid_record_in_place"]
+
+
+@pytest.mark.parametrize("script", _KILLS, ids=_KILL_IDS)
 def test_sigkill_before_the_index_commit(tmp_path, open_tier, script):
     path = str(tmp_path / "disk")
     result = run_child(script, path, str(NBYTES))
@@ -170,7 +185,7 @@ def test_sigkill_before_the_index_commit(tmp_path, open_tier, script):
     tier.check_integrity()
 
 
-@pytest.mark.parametrize("script", [_KILL_AT_INDEX_COMMIT, _KILL_MID_RECORD], ids=["at_index_commit", "mid_record"])
+@pytest.mark.parametrize("script", _KILLS, ids=_KILL_IDS)
 def test_sigkill_then_lost_index_rebuilds_from_what_is_complete(tmp_path, open_tier, script):
     """A crash, then the index is lost too: the rebuild keeps complete records only."""
     path = str(tmp_path / "disk")
