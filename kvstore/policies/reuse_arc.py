@@ -1,4 +1,4 @@
-"""ReuseARC: ARC over chain leaves with use counts that survive eviction (the store's default).
+"""ReuseARC: ARC over chain leaves with use counts that survive eviction.
 
 Measured with ``kvstore replay`` (fraction of the infinite-capacity maximum, Mooncake synthetic
 trace at 3M tokens): LRU 48.4%, ReuseARC 52.4%, Belady's offline optimum 86.0%. On synthetic
