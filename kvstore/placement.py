@@ -2,8 +2,8 @@
 
 ``PlacementMixin`` is half of ``TieredStore`` (kept apart to keep each file to one concern). It
 expects the host class to provide ``tiers``, ``_policies``, ``_lock`` (re-entrant), ``_leases``,
-``_inflight``, ``_placing``, ``_counters``, ``_writer``, ``write_policy`` and the bookkeeping
-methods ``_bits``, ``_publish``, ``_forget`` and ``_bury_doomed``. Methods whose docstring says
+``_inflight``, ``_placing``, ``_counters``, ``_writer``, ``write_policy``, ``_shadows`` and the
+bookkeeping methods ``_bits``, ``_publish``, ``_forget`` and ``_bury_doomed``. Methods whose docstring says
 "caller holds the lock" must be called under ``_lock``; the others take it themselves and copy
 bytes outside it.
 """
@@ -87,6 +87,8 @@ class PlacementMixin:
         if tier.can_fit(nbytes):
             return True
         self._expire_leases()  # a lease past its TTL (its client died) must not keep pinning victims
+        if self._drop_shadows(t, nbytes):
+            return True
         for helping_only in (True, False):
             victims = self._policies[t].victims(
                 lambda k: not self._leases.is_pinned(k) and k not in self._inflight
@@ -99,6 +101,21 @@ class PlacementMixin:
                         return True
             finally:
                 victims.close()
+        return False
+
+    def _drop_shadows(self, t: int, nbytes: int) -> bool:
+        """Drop tier ``t``'s copies of blocks a faster tier also holds, oldest first, until
+        ``nbytes`` fit: nothing is lost, so they go before any victim. Caller holds the lock."""
+        if self._shadows is None:
+            return False
+        tier = self.tiers[t]
+        eligible = lambda k: not self._leases.is_pinned(k) and tier.eviction_helps(k, nbytes)  # noqa: E731
+        while (key := self._shadows.oldest(t, eligible)) is not None:
+            tier.remove(key)
+            self._forget(key, t)
+            self._counters[f"evictions:{t}"] += 1
+            if tier.can_fit(nbytes):
+                return True
         return False
 
     def _evict(self, t: int, key: bytes) -> None:

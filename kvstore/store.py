@@ -9,6 +9,8 @@ bytes between tiers by two knobs:
 - ``write_policy="write_through"``: a block put into one tier is copied to every lower tier in
   the background; ``"on_eviction"``: a victim is demoted to the next tier when it is evicted.
 - ``promote_on_hit``: a whole-block load served by a lower tier is copied into the top tier.
+  Under ``on_eviction`` the lower copy stays until its tier needs room, and then goes first
+  (``kvstore/shadows.py``).
 
 Concurrency: one lock guards the directory, policies and pins; byte copies run outside it. A
 block is pinned (by a lease or by the store itself) whenever bytes are being read from it, and a
@@ -36,6 +38,7 @@ from kvstore.layout import BlockSpec
 from kvstore.lease import LeaseTable
 from kvstore.policies import DEFAULT_POLICY, EvictionPolicy, make_policy
 from kvstore.results import LoadResult, LookupResult, PutResult, StoreStats
+from kvstore.shadows import ShadowCopies
 from kvstore.tiers.base import BlockMeta, Tier
 from kvstore.writer import BackgroundWriter
 
@@ -76,6 +79,8 @@ class TieredStore(PlacementMixin):
         self._inflight: set[bytes] = set()  # keys being put right now
         self._placing: set[tuple[int, bytes]] = set()  # (tier, key) being written by _place right now
         self._doomed: set[bytes] = set()  # deleted while pinned: removed at the last unpin
+        # lower copies of blocks a faster tier also holds, evicted first (on_eviction only)
+        self._shadows = ShadowCopies(len(self.tiers)) if write_policy == "on_eviction" else None
         self._leases = LeaseTable(max_leases, clock)
         self._lock = threading.RLock()
         self._counters: Counter[str] = Counter()
@@ -314,10 +319,14 @@ class TieredStore(PlacementMixin):
     def _publish(self, t: int, key: bytes, meta: BlockMeta) -> None:
         self._directory.add(key, t)
         self._policies[t].on_insert(key, meta.parent, meta.nbytes)
+        if self._shadows is not None:
+            self._shadows.update(key, self._bits(key))
 
     def _forget(self, key: bytes, t: int) -> None:
         self._directory.discard(key, t)
         self._policies[t].on_remove(key)
+        if self._shadows is not None:
+            self._shadows.update(key, self._bits(key))
 
     def _lease_keys(self, lease_id: int) -> tuple[bytes, ...]:
         return self._leases.keys_of(lease_id)

@@ -121,3 +121,20 @@ def test_cli_replay_without_capacity_says_what_to_do(tmp_path):
     write_trace(str(path), [req(1)])
     done = _kvstore("replay", str(path))
     assert done.returncode == 2 and "--capacity-tokens" in done.stderr
+
+
+def test_lru_split_over_two_tiers_hits_as_much_as_one_tier_of_the_same_size():
+    """Exclusive caching: with victims demoted (on_eviction) and promoted copies dropped first
+    when the disk needs room, host + disk behave as one LRU cache of their summed size."""
+    import random
+
+    rng = random.Random(11)
+    docs = [rng.randint(2, 8) for _ in range(60)]
+    trace = []
+    for i in range(1500):
+        doc = min(int(rng.expovariate(1 / 12)), len(docs) - 1)  # a few hot documents, a long tail
+        trace.append(req(*[doc * 100 + d for d in range(docs[doc])], 10_000 + i))  # + a one-off question
+    single = replay(trace, 60 * B, "lru", with_optimal=False)
+    split = replay(trace, 60 * B, "lru", TierSplit.parse("host=0.25,disk=0.75"), with_optimal=False)
+    assert split.tier_hit_tokens["disk"] > 0 and split.tier_hit_tokens["host"] > 0
+    assert split.hit_tokens >= 0.98 * single.hit_tokens, (split.hit_tokens, single.hit_tokens)

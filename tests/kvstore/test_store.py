@@ -383,3 +383,31 @@ def test_record_access_refreshes_recency_for_reads_outside_load(make_store, name
     assert store.stats().tier("host").loaded_blocks == 2
     with pytest.raises(InvalidRequest, match="no tier named"):
         store.record_access(ns_id, old, "gpu")
+
+
+def test_on_eviction_drops_a_promoted_blocks_disk_copy_before_any_block_held_only_on_disk(make_store, namespace, spec):
+    """A promotion leaves the disk copy in place (a later host eviction then costs no write), but
+    while the host holds the block that copy is redundant: when the disk needs room it goes first,
+    not the least recently used block that lives nowhere else."""
+    store = make_store(**SLOTS4, disk_bytes=4 * DISK_BLOCK, write_policy="on_eviction", background_writes=False)
+    ns_id = store.register_namespace(namespace)
+    x = namespace_hashes(namespace, tokens(0, 1))
+    a = namespace_hashes(namespace, tokens(100, 3))
+    put_chain(store, ns_id, spec, x)
+    put_chain(store, ns_id, spec, a)
+    put_chain(store, ns_id, spec, namespace_hashes(namespace, tokens(200, 4)))  # pushes x and a to disk
+    assert store.lookup(ns_id, x).tiers == ("disk",) and store.lookup(ns_id, a).tiers == ("disk",) * 3
+
+    x_payload = payloads_for(spec, x)[0]
+    result, dsts = load_all(store, ns_id, spec, x)  # promoted: host and disk both hold x now
+    assert result.tiers == ("disk",) and host_resident(store, ns_id, x) == [True]
+    assert store.tiers[1].contains(ns_id + x[0])
+    a_disk = [store.tiers[1].contains(ns_id + h) for h in a]
+
+    put_chain(store, ns_id, spec, namespace_hashes(namespace, tokens(300, 1)))  # demotes a host block to a full disk
+    assert not store.tiers[1].contains(ns_id + x[0])  # the redundant copy made the room
+    assert [store.tiers[1].contains(ns_id + h) for h in a] == a_disk  # blocks held only on disk stay
+    result, dsts = load_all(store, ns_id, spec, x)
+    assert result.tiers == ("host",)
+    np.testing.assert_array_equal(dsts[0], x_payload)
+    store.check_integrity()
