@@ -3,9 +3,9 @@
 ``PlacementMixin`` is half of ``TieredStore`` (kept apart to keep each file to one concern). It
 expects the host class to provide ``tiers``, ``_policies``, ``_lock`` (re-entrant), ``_leases``,
 ``_inflight``, ``_placing``, ``_counters``, ``_writer``, ``write_policy``, ``_shadows`` and the
-bookkeeping methods ``_bits``, ``_publish``, ``_forget`` and ``_bury_doomed``. Methods whose docstring says
-"caller holds the lock" must be called under ``_lock``; the others take it themselves and copy
-bytes outside it.
+bookkeeping methods ``_bits``, ``_publish``, ``_forget`` and ``_bury_doomed``. Methods whose
+docstring says "caller holds the lock" must be called under ``_lock``; the others take it
+themselves and copy bytes outside it.
 """
 
 from __future__ import annotations
