@@ -197,7 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES), help=f"default {DEFAULT_POLICY}")
     rep.add_argument("--tiers", default="host", help="capacity split over tiers, fastest first: host=0.25,disk=0.75")
     rep.add_argument("--write-policy", default="on_eviction", choices=WRITE_POLICIES,
-                     help="on_eviction (default: tiers hold disjoint blocks) or write_through")
+                     help="on_eviction (default: victims are demoted, so the tiers hold disjoint "
+                          "blocks but for promoted ones) or write_through")
     rep.add_argument("--block-tokens", type=int, default=512, help="tokens per trace block (default 512)")
     rep.add_argument("--no-optimal", action="store_true", help="skip Belady's offline optimum")
     rep.add_argument("--sweep", action="store_true", help="hit rate at several capacities for each policy")
