@@ -15,6 +15,7 @@ Model side, one concept per module:
 Engine side (the model above runs unchanged over a paged cache):
 
     namespace.py       the store Namespace of the bytes this engine produces (namespace_for)
+    fingerprint.py     weights_fingerprint: the weights' part of that namespace
     page_allocator.py  page ids: reference counts, prefix-cache index, LRU eviction with a hook
     paged_cache.py     PagePool (the device tier; connectors.base.PageBytes) and PagedSequenceCache
     sequence.py        Request, RequestStats, RequestOutput, and the Sequence carried through a step

@@ -39,6 +39,7 @@ from connectors.store_connector import StoreConnector
 from engine_adapter.config import ModelConfig
 from engine_adapter.engine import Engine
 from engine_adapter.model import DeepseekForCausalLM
+from engine_adapter.fingerprint import weights_fingerprint
 from engine_adapter.namespace import namespace_for
 from engine_adapter.paged_cache import PagePool
 from engine_adapter.sequence import Request, RequestOutput
@@ -96,7 +97,8 @@ class _Demo:
     def __init__(self, cfg: DemoConfig, say: Callable[[str], None]):
         self.cfg, self.say = cfg, say
         self.model = DeepseekForCausalLM.random(model_config(cfg), seed=cfg.seed, dtype=torch.float32)
-        self.namespace = namespace_for(self.model.config, "demo/deepseek-random", PAGE)
+        self.weights = weights_fingerprint(self.model)  # another --seed is another model
+        self.namespace = namespace_for(self.model.config, "demo/deepseek-random", PAGE, weights_hash=self.weights)
         self.data_dir = cfg.data_dir or (None if cfg.sidecar else tempfile.mkdtemp(prefix="kvstore-demo-"))
         self.rng = torch.Generator().manual_seed(cfg.seed + 1)
         self.store = None if cfg.sidecar else self._open_store()
@@ -124,6 +126,7 @@ class _Demo:
     def engine(self, pages: int, connected: bool = True) -> Engine:
         pool = PagePool(self.model.config, pages, page_size=PAGE)
         return Engine(self.model, pool, chunk_size=self.cfg.chunk_size, model_name="demo/deepseek-random",
+                      weights_hash=self.weights,
                       connector=self.connector if connected else None)
 
     def cold_output(self, prompt: list[int]) -> tuple[int, ...]:

@@ -26,6 +26,7 @@ import torch
 from connectors.base import KVConnector, LoadFailed
 from engine_adapter.block_manager import BlockManager
 from engine_adapter.model import DeepseekForCausalLM
+from engine_adapter.fingerprint import weights_fingerprint
 from engine_adapter.namespace import namespace_for
 from engine_adapter.paged_cache import PagePool
 from engine_adapter.sampling import sample
@@ -36,13 +37,16 @@ from engine_adapter.sequence import Request, RequestOutput, Sequence
 class Engine:
     def __init__(self, model: DeepseekForCausalLM, pool: PagePool, block_size: int | None = None,
                  chunk_size: int = 512, max_running: int = 64, model_name: str = "deepseek",
-                 cache_salt: str = "", connector: KVConnector | None = None) -> None:
+                 cache_salt: str = "", connector: KVConnector | None = None, weights_hash: str | None = None) -> None:
+        """``weights_hash`` names the weights in the namespace; None fingerprints them
+        (``engine_adapter.fingerprint``), so two checkpoints of one config never share KV."""
         if block_size is not None and block_size != pool.page_size:
             raise ValueError(f"block_size {block_size} must equal the pool's page_size {pool.page_size}")
         if model.lm_head.weight.device != pool.device:
             raise ValueError(f"model on {model.lm_head.weight.device}, pool on {pool.device}: use one device")
         self.model, self.pool = model, pool
-        self.namespace = namespace_for(model.config, model_name, pool.page_size, cache_salt)
+        weights = weights_fingerprint(model) if weights_hash is None else weights_hash
+        self.namespace = namespace_for(model.config, model_name, pool.page_size, cache_salt, weights)
         self.blocks = BlockManager(pool, self.namespace, model.dtype, connector)
         if connector is not None and pool.on_evict is None:  # evicted device pages go down a tier
             pool.on_evict = lambda block_hash, page, parent: connector.demote(block_hash, page, pool, parent)

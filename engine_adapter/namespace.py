@@ -10,6 +10,8 @@ Two producers share a namespace only if their block bytes are interchangeable (D
     engine, version   ENGINE_NAME, ENGINE_VERSION: the indexer numerics (HF 5.23: no Hadamard,
                       half-split RoPE, unquantised) are this engine's, so they are named here
     block_size        the page size of the pool
+    weights_hash      the weights (``fingerprint.weights_fingerprint``, or the caller's own hash):
+                      two checkpoints of one config served under one name must not share KV
     cache_salt        the tenant salt (one tenant can neither reuse nor probe another's prefixes)
 
 Bump ENGINE_VERSION whenever a change to the model code changes a single cached byte.
@@ -35,8 +37,10 @@ def components_for(config: ModelConfig) -> tuple[str, ...]:
     return V32_COMPONENTS if config.is_v32 else V3_COMPONENTS
 
 
-def namespace_for(config: ModelConfig, model_name: str, block_size: int = 64, cache_salt: str = "") -> Namespace:
-    """The namespace of the blocks this engine produces for ``config`` at ``block_size``."""
+def namespace_for(config: ModelConfig, model_name: str, block_size: int = 64, cache_salt: str = "",
+                  weights_hash: str = "") -> Namespace:
+    """The namespace of the blocks this engine produces for ``config`` at ``block_size`` with the
+    weights ``weights_hash`` identifies (empty: the caller vouches that ``model_name`` does)."""
     return Namespace(
         model=model_name,
         model_config_hash=config_hash(asdict(config)),
@@ -45,5 +49,6 @@ def namespace_for(config: ModelConfig, model_name: str, block_size: int = 64, ca
         block_size=block_size,
         engine=ENGINE_NAME,
         engine_version=ENGINE_VERSION,
+        weights_hash=weights_hash,
         cache_salt=cache_salt,
     )
