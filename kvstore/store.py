@@ -43,6 +43,7 @@ from kvstore.tiers.base import BlockMeta, Tier
 from kvstore.writer import BackgroundWriter
 
 WRITE_POLICIES = ("write_through", "on_eviction")
+MAX_LEASE_TTL_S = 3600.0  # a lease covers a read that follows its lookup, not storage
 
 
 class TieredStore(PlacementMixin):
@@ -125,8 +126,9 @@ class TieredStore(PlacementMixin):
     def lookup(self, ns_id: bytes, block_hashes: Sequence[bytes], lease_ttl_s: float | None = None) -> LookupResult:
         """Longest contiguous run of present blocks; changes nothing but the optional lease."""
         spec = self.spec(ns_id)
-        if lease_ttl_s is not None and not lease_ttl_s > 0:
-            raise InvalidRequest(f"lease_ttl_s must be positive (seconds), got {lease_ttl_s}")
+        if lease_ttl_s is not None and not 0 < lease_ttl_s <= MAX_LEASE_TTL_S:
+            raise InvalidRequest(f"lease_ttl_s must be in (0, {MAX_LEASE_TTL_S:g}] seconds, got {lease_ttl_s}: "
+                                 "a lease pins its blocks against eviction until it ends or expires")
         with self._lock:
             self._expire_leases()
             try:
@@ -276,6 +278,7 @@ class TieredStore(PlacementMixin):
         _check_hashes(block_hashes)
         if parent is not None:
             _check_hashes([parent])
+        _check_chain(block_hashes, parent)
         if len(payloads) != len(block_hashes):
             raise InvalidRequest(f"{len(block_hashes)} block hashes but {len(payloads)} payloads")
         views = [byte_view(p) for p in payloads]
@@ -310,6 +313,7 @@ class TieredStore(PlacementMixin):
         finally:
             with self._lock:
                 self._inflight.discard(key)
+                self._bury_doomed([key])  # its namespace was deleted while it was being written
 
     # ---- directory bookkeeping (caller holds the lock) ------------------------------------
 
@@ -374,7 +378,9 @@ class TieredStore(PlacementMixin):
     def delete_namespace(self, ns_id: bytes) -> int:
         """Remove every block of a namespace from every tier; returns how many blocks.
 
-        Blocks pinned by a lease or an in-flight copy go as soon as they are unpinned.
+        Blocks pinned by a lease or an in-flight copy go as soon as they are unpinned, and blocks
+        a ``put`` is still writing go as soon as it has written them; lookups miss all of them
+        from now on.
         """
         self.spec(ns_id)
         with self._lock:
@@ -384,6 +390,7 @@ class TieredStore(PlacementMixin):
                     self._doomed.add(key)
                 else:
                     self._remove_everywhere(key)
+            self._doomed.update(key for key in self._inflight if key.startswith(ns_id))
             return len(keys)
 
     def flush(self) -> None:
@@ -469,3 +476,14 @@ def _check_hashes(block_hashes: Sequence[bytes]) -> None:
             f"got types {sorted(t.__name__ for t in types)} with lengths {sorted(lengths)}"
         )
 
+
+
+def _check_chain(block_hashes: Sequence[bytes], parent: bytes | None) -> None:
+    """Reject a chain that names a block twice or has its own block as ``parent``: each block
+    would be its own ancestor, and a loop of blocks that are each other's children is never a
+    leaf, so it could never be evicted."""
+    if len(set(block_hashes)) != len(block_hashes) or (parent is not None and parent in block_hashes):
+        raise InvalidRequest(
+            "a put's blocks must be distinct and must not include its parent: pass the hash of the block "
+            "before block_hashes[0] as parent, or None at the start of a prompt"
+        )

@@ -224,10 +224,27 @@ def test_a_malformed_hash_after_a_valid_hit_is_still_refused(make_store, namespa
     assert store.lookup(ns_id, chain[:2]).hit_blocks == 2
 
 
-@pytest.mark.parametrize("ttl", [0, -5.0])
-def test_a_lease_ttl_must_be_positive(make_store, namespace, chain, ttl):
+@pytest.mark.parametrize("ttl", [0, -5.0, float("inf"), float("nan"), 3601.0])
+def test_a_lease_ttl_must_be_positive_and_bounded(make_store, namespace, spec, chain, ttl):
+    """An endless lease would pin its blocks forever: a client could fill a tier for good."""
     store = make_store(background_writes=False)
     ns_id = store.register_namespace(namespace)
-    with pytest.raises(InvalidRequest, match="lease_ttl_s must be positive"):
+    store.put(ns_id, chain, payloads_for(spec, chain))
+    with pytest.raises(InvalidRequest, match=r"lease_ttl_s must be in \(0, 3600\] seconds"):
         store.lookup(ns_id, chain, lease_ttl_s=ttl)
     assert store.stats().leases_active == 0
+    assert store.lookup(ns_id, chain, lease_ttl_s=3600.0).lease_id is not None  # the bound itself is fine
+
+
+@pytest.mark.parametrize("case", ["parent_in_chain", "block_twice"])
+def test_a_chain_that_loops_is_rejected_and_stores_nothing(make_store, namespace, spec, chain, case):
+    """A cold miss written as ``parent=hashes[loaded - 1]`` with loaded == 0 names the chain's own
+    last block as its parent: a loop of blocks that are each other's children, never evictable."""
+    store = make_store(background_writes=False)
+    ns_id = store.register_namespace(namespace)
+    hashes, parent = (chain[:3], chain[2]) if case == "parent_in_chain" else ([chain[0], chain[1], chain[0]], None)
+    with pytest.raises(InvalidRequest, match="must be distinct and must not include its parent"):
+        store.put(ns_id, hashes, payloads_for(spec, hashes), parent=parent)
+    assert store.stats().tier("host").blocks == 0
+    assert store.put(ns_id, chain[:3], payloads_for(spec, chain[:3])).stored == 3
+    store.check_integrity()

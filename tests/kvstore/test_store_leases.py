@@ -6,6 +6,8 @@ models and formats apart (including deleting a namespace while one of its blocks
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -210,3 +212,33 @@ def test_a_lease_past_its_ttl_cannot_be_released_even_before_a_sweep(make_store,
     with pytest.raises(UnknownLease, match="expired"):
         store.release(hit.lease_id)
     assert store.stats().lease_expiries == 1
+
+
+def test_delete_namespace_during_a_put_removes_the_blocks_being_written(make_store, namespace, spec, chain):
+    """A put whose tier write is under way when the namespace is deleted must not leave its
+    blocks behind as hits once it finishes."""
+    store = make_store(background_writes=False)
+    ns_id = store.register_namespace(namespace)
+    host, writing, finish = store.tiers[0], threading.Event(), threading.Event()
+    real_write = host.write
+
+    def slow_write(key, payload, meta):
+        writing.set()
+        assert finish.wait(10), "the test never let the write finish"
+        return real_write(key, payload, meta)
+
+    host.write = slow_write
+    put = threading.Thread(target=put_chain, args=(store, ns_id, spec, chain[:1]))
+    put.start()
+    try:
+        assert writing.wait(10)
+        assert store.delete_namespace(ns_id) == 0  # nothing was published yet
+    finally:
+        finish.set()
+        put.join(10)
+    host.write = real_write
+    assert store.lookup(ns_id, chain[:1]).hit_blocks == 0
+    assert not host.contains(ns_id + chain[0])
+    put_chain(store, ns_id, spec, chain[:1])  # the namespace itself stays usable
+    assert store.lookup(ns_id, chain[:1]).hit_blocks == 1
+    store.check_integrity()

@@ -135,7 +135,7 @@ def test_a_miss_takes_no_lease_and_a_bad_ttl_is_invalid(client, namespace, spec,
     assert client.load_shm(ns_id, chain[:2], dsts).loaded_blocks == 0
     assert client.stats().leases_active == 0
     error = rpc_error(client.get_slots, ns_id, chain[:1], lease_ttl_s=0)
-    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "lease_ttl_s must be positive" in error.details()
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "lease_ttl_s must be in (0, 3600] seconds" in error.details()
 
 
 def test_wrong_buffer_size_is_invalid_and_releases_the_lease(client, namespace, spec, chain):
