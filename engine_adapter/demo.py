@@ -44,6 +44,7 @@ from engine_adapter.namespace import namespace_for
 from engine_adapter.paged_cache import PagePool
 from engine_adapter.sequence import Request, RequestOutput
 from kvstore.config import DiskConfig, HostConfig, StoreConfig
+from kvstore.errors import InvalidRequest
 from kvstore.store import TieredStore
 
 PAGE = 64
@@ -107,9 +108,18 @@ class _Demo:
     def _connect(self) -> KVConnector:
         if self.cfg.sidecar:
             # grpc loads only for a sidecar
+            import grpc
+
             from connectors.sidecar_connector import SidecarConnector
 
-            return SidecarConnector(self.cfg.sidecar, self.namespace)
+            connector = SidecarConnector(self.cfg.sidecar, self.namespace)
+            try:
+                connector.stats()  # the demo reads the sidecar's tier counters after every request
+            except grpc.RpcError as exc:
+                connector.close()
+                raise InvalidRequest(f"no kvstore sidecar answers at {self.cfg.sidecar} ({exc.code().name}): "
+                                     "start one with `kvstore serve`, or leave out --sidecar for an in-process store") from None
+            return connector
         return StoreConnector(self.store, self.namespace)
 
     def store_stats(self):

@@ -1,7 +1,12 @@
 """kvstore demo (quick size): every request reuses what it should, from the tier it should, and its
 output equals a cold run."""
 
+import socket
+
+import pytest
+
 from engine_adapter.demo import DemoConfig, run_demo
+from kvstore.errors import InvalidRequest
 
 
 def test_quick_demo_reuses_from_every_tier_and_matches_cold_runs(tmp_path):
@@ -49,3 +54,13 @@ def test_quick_demo_against_a_sidecar_reuses_the_same_and_matches_cold_runs(make
     assert any(f"the sidecar at {sidecar.target}" in line for line in lines)
     assert any("skipped" in line for line in lines)
     assert sidecar.store.stats().stored_blocks > 0, "the engine's blocks live in the sidecar's store"
+
+
+def test_a_demo_pointed_at_no_sidecar_says_so_before_it_starts():
+    with socket.socket() as s:  # a port nobody listens on once closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    lines = []
+    with pytest.raises(InvalidRequest, match=f"no kvstore sidecar answers at 127.0.0.1:{port}"):
+        run_demo(DemoConfig.quick(sidecar=f"127.0.0.1:{port}"), lines.append)
+    assert not any("chat" in line for line in lines), "no request ran"
