@@ -6,6 +6,12 @@ shared so other processes on the host can map the same bytes. Its owner holds a 
 segment, but the kernel drops its lock, so ``remove_stale_segments`` can tell a dead owner's file
 (the exclusive lock is free) from a live one's, across pid namespaces (containers sharing
 /dev/shm) where pids say nothing.
+
+The owner creates the file under a hidden name (``.kvstore-creating-...``), locks it, and only
+then renames it to its segment name, so a file under a segment name is locked from the moment it
+can be seen. A sidecar killed and restarted at once (a container restart policy) therefore finds
+its predecessor's arena stale right away instead of allocating a second one beside it. Only the
+empty hidden files of an owner killed between create and rename wait ``STALE_AFTER_S``.
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ import time
 import uuid
 
 SEGMENT_NAME = re.compile(r"^kvstore-(?:[a-z]+-)?\d+-[0-9a-f]{8}$")
-STALE_AFTER_S = 60.0  # a younger file may belong to an owner between create and lock
+CREATING_NAME = re.compile(r"^\.kvstore-creating-\d+-[0-9a-f]{8}$")
+STALE_AFTER_S = 60.0  # a younger hidden file may belong to an owner between create and lock
 
 
 def default_shm_dir() -> str:
@@ -35,10 +42,18 @@ class Segment:
     def __init__(self, nbytes: int, shm_dir: str | None = None, kind: str = "", name: str | None = None,
                  prefault: bool = False):
         prefix = f"kvstore-{kind}-" if kind else "kvstore-"
-        self.path = os.path.join(shm_dir or default_shm_dir(), name or f"{prefix}{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        directory = shm_dir or default_shm_dir()
+        self.path = os.path.join(directory, name or f"{prefix}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        creating = os.path.join(directory, f".kvstore-creating-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        self._fd = os.open(creating, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_SH)
+            _rename_new(creating, self.path)
+        except BaseException:
+            os.close(self._fd)
+            os.unlink(creating)
+            raise
+        try:
             os.ftruncate(self._fd, nbytes)
             flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if prefault else 0)
             self.mmap = mmap.mmap(self._fd, nbytes, flags=flags)
@@ -60,13 +75,20 @@ class Segment:
         os.close(self._fd)
 
 
+def _rename_new(source: str, target: str) -> None:
+    """Rename ``source`` to ``target``, failing if ``target`` exists (as O_EXCL would)."""
+    os.link(source, target)  # atomic, and unlike rename it never replaces an existing file
+    os.unlink(source)
+
+
 def remove_stale_segments(shm_dir: str | None = None) -> list[str]:
     """Unlink segment files no live process owns (their owner died without cleaning up); returns them."""
     directory = shm_dir or default_shm_dir()
     removed = []
     for name in os.listdir(directory):
         path = os.path.join(directory, name)
-        if SEGMENT_NAME.match(name) and _is_stale(path):
+        if SEGMENT_NAME.match(name) and _is_stale(path, grace_s=0.0) or \
+                CREATING_NAME.match(name) and _is_stale(path, grace_s=STALE_AFTER_S):
             try:
                 os.unlink(path)
                 removed.append(path)
@@ -75,13 +97,13 @@ def remove_stale_segments(shm_dir: str | None = None) -> list[str]:
     return removed
 
 
-def _is_stale(path: str) -> bool:
+def _is_stale(path: str, grace_s: float) -> bool:
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
         return False
     try:
-        if time.time() - os.fstat(fd).st_mtime < STALE_AFTER_S:
+        if grace_s and time.time() - os.fstat(fd).st_mtime < grace_s:
             return False
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return True  # nobody holds the owner's shared lock

@@ -31,12 +31,12 @@ def test_a_sigkilled_owners_segment_is_removed_and_a_live_ones_is_kept(tmp_path)
     dead_path = owner.stdout.readline().strip()
     live = Segment(1 << 16, str(tmp_path))
     try:
-        age(dead_path, 120)
-        age(live.path, 120)
         assert remove_stale_segments(str(tmp_path)) == [], "the owner is alive: its lock holds"
         owner.send_signal(signal.SIGKILL)
         owner.wait(10)
         assert os.path.exists(dead_path), "SIGKILL left the file behind"
+        # at once, not after a grace period: a sidecar restarted right away must not find its
+        # predecessor's arena still there and allocate a second one beside it
         assert remove_stale_segments(str(tmp_path)) == [dead_path]
         assert not os.path.exists(dead_path) and os.path.exists(live.path)
     finally:
@@ -45,9 +45,19 @@ def test_a_sigkilled_owners_segment_is_removed_and_a_live_ones_is_kept(tmp_path)
     assert not os.path.exists(live.path)
 
 
-def test_young_files_and_other_names_are_left_alone(tmp_path):
-    young = tmp_path / "kvstore-123-0123abcd"
-    young.write_bytes(b"x")  # no owner, but it may be between create and lock
+def test_a_segment_name_appears_only_once_its_file_is_locked(tmp_path):
+    segment = Segment(1 << 16, str(tmp_path))
+    try:
+        assert os.listdir(tmp_path) == [os.path.basename(segment.path)], "no hidden file left behind"
+        assert remove_stale_segments(str(tmp_path)) == []
+    finally:
+        segment.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_young_files_being_created_and_other_names_are_left_alone(tmp_path):
+    young = tmp_path / ".kvstore-creating-123-0123abcd"
+    young.write_bytes(b"")  # no owner, but it may be between create and lock
     other = tmp_path / "not-ours-123"
     other.write_bytes(b"x")
     age(str(other), 3600)
