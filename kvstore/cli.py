@@ -20,7 +20,7 @@ import sys
 from typing import Callable
 
 from kvstore.config import parse_size
-from kvstore.errors import InvalidRequest, KVStoreError
+from kvstore.errors import InvalidRequest, KVStoreError, describe_os_error
 from kvstore.policies import DEFAULT_POLICY, POLICIES
 from kvstore.service.cli import add_serve_parser  # light: grpc is imported only when serve runs
 from kvstore.store import WRITE_POLICIES
@@ -83,6 +83,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     if min(args.blocks, args.repeats, args.read_rounds, args.lookup_tokens, args.disk_blocks or 1) <= 0:
         raise InvalidRequest("--blocks, --disk-blocks, --repeats, --read-rounds and --lookup-tokens must be positive")
+    if args.dir is not None and not os.path.isdir(args.dir):
+        raise InvalidRequest(f"--dir {args.dir} is not a directory; give an existing one to measure")
     cfg = BenchConfig(blocks=args.blocks, disk_blocks=args.disk_blocks, repeats=args.repeats,
                       read_rounds=args.read_rounds, lookup_tokens=args.lookup_tokens, directory=args.dir)
     log = (lambda s: None) if args.json else (lambda s: print(s, file=sys.stderr))
@@ -108,24 +110,32 @@ def _cmd_fsck(args: argparse.Namespace) -> int:
     return 0 if report.clean else 1
 
 
+# The tiers a replay can split its capacity over: the store's (HostTier.name, DiskTier.name), fastest first.
+REPLAY_TIERS = ("host", "disk")
+SWEEP_FLAGS = ("capacities", "policies", "plot")
+
+
 def _cmd_replay(args: argparse.Namespace) -> int:
-    from kvstore.replay import TierSplit, default_capacities, replay, sweep
-    from kvstore.replay_report import format_summary, format_sweep, parse_count, plot_sweep
+    from kvstore.replay import default_capacities, replay, sweep
+    from kvstore.replay_report import check_plot_path, format_summary, format_sweep, parse_count, plot_sweep
     from kvstore.trace import read_trace
 
+    _check_replay_flags(args)
+    if args.plot is not None:
+        check_plot_path(args.plot)  # before the sweep, which can take minutes
+    options = dict(tiers=_replay_tiers(args.tiers), write_policy=args.write_policy, block_tokens=args.block_tokens)
     requests = read_trace(args.trace, args.block_tokens)
     if not requests:
         raise InvalidRequest(f"trace {args.trace} holds no requests")
-    options = dict(tiers=TierSplit.parse(args.tiers), write_policy=args.write_policy, block_tokens=args.block_tokens)
     if args.sweep:
         capacities = ([parse_count(c) for c in args.capacities.split(",")] if args.capacities
                       else default_capacities(requests, args.block_tokens))
         policies = args.policies.split(",") if args.policies else sorted(POLICIES)
         bar = progress_bars("replaying", len(requests) * len(capacities) * len(policies))
         results = sweep(requests, capacities, policies, progress=bar, **options)
-        if args.plot:
-            plot_sweep(results, args.plot, f"{os.path.basename(args.trace)}: hit rate against capacity")
         print(json.dumps([r.as_dict() for r in results], indent=2) if args.json else format_sweep(results))
+        if args.plot is not None:  # after the results are out, so a failing plot loses nothing
+            plot_sweep(results, args.plot, f"{os.path.basename(args.trace)}: hit rate against capacity")
         return 0
     if not args.capacity_tokens:
         raise InvalidRequest("give --capacity-tokens N (e.g. 3M), or --sweep for a range of capacities")
@@ -134,6 +144,32 @@ def _cmd_replay(args: argparse.Namespace) -> int:
                     with_optimal=not args.no_optimal, **options)
     print(json.dumps(result.as_dict(), indent=2) if args.json else format_summary(result, args.trace))
     return 0
+
+
+def _check_replay_flags(args: argparse.Namespace) -> None:
+    if args.block_tokens <= 0:
+        raise InvalidRequest(f"--block-tokens must be positive, got {args.block_tokens}")
+    if args.sweep and args.capacity_tokens is not None:
+        raise InvalidRequest("--capacity-tokens is for one replay; with --sweep give --capacities (e.g. 1M,2M,4M)")
+    given = [f"--{name}" for name in SWEEP_FLAGS if getattr(args, name) is not None]
+    if given and not args.sweep:
+        raise InvalidRequest(f"{', '.join(given)}: only with --sweep (add --sweep for a curve over capacities)")
+
+
+def _replay_tiers(text: str):
+    """``--tiers`` as a ``TierSplit``, its names checked against ``REPLAY_TIERS`` (in that order)."""
+    from kvstore.replay import TierSplit
+
+    names = [part.partition("=")[0].strip() for part in text.split(",")]
+    usage = f"give tiers from {', '.join(REPLAY_TIERS)}, fastest first, e.g. host=0.25,disk=0.75"
+    if "" in names:
+        raise InvalidRequest(f"--tiers {text!r} has an empty tier name; {usage}")
+    unknown = [name for name in names if name not in REPLAY_TIERS]
+    if unknown:
+        raise InvalidRequest(f"--tiers: unknown tier {unknown[0]!r}; {usage}")
+    if names != sorted(names, key=REPLAY_TIERS.index):
+        raise InvalidRequest(f"--tiers {text!r} is out of order; {usage}")
+    return TierSplit.parse(text)
 
 
 def _cmd_trace_gen(args: argparse.Namespace) -> int:
@@ -225,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except KVStoreError as exc:
         print(f"kvstore {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a path that does not exist, is a directory, or may not be written
+        print(f"kvstore {args.command}: {describe_os_error(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -34,3 +34,11 @@ class StoreClosed(KVStoreError, RuntimeError):
 
 class NotPermitted(KVStoreError, PermissionError):
     """The caller acted on something another client holds (a lease it did not take)."""
+
+
+def describe_os_error(exc: OSError) -> str:
+    """One line for a command-line user: ``cannot access PATH: REASON``, or the error's own text
+    when it names no path."""
+    if exc.filename is None or exc.strerror is None:
+        return str(exc)
+    return f"cannot access {exc.filename}: {exc.strerror}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Sequence
 
 from kvstore.errors import InvalidRequest
@@ -62,6 +63,28 @@ def format_sweep(results: Sequence[ReplayResult]) -> str:
     first = results[0]
     lines.append(f"infinite-capacity max: {first.max_hit_rate:.2%} of input tokens")
     return "\n".join(lines)
+
+
+def check_plot_path(path: str) -> None:
+    """Raise ``InvalidRequest`` unless ``plot_sweep`` could write ``path`` (its directory exists and
+    is writable, and matplotlib knows its format); writes nothing."""
+    directory = os.path.dirname(os.path.abspath(path))
+    if not path or os.path.isdir(path):
+        raise InvalidRequest(f"cannot plot to {path!r}: it is a directory; give a file such as curve.png")
+    if not os.path.isdir(directory):
+        raise InvalidRequest(f"cannot plot to {path}: the directory {directory} does not exist")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise InvalidRequest(f"cannot plot to {path}: the directory {directory} is not writable")
+    suffix = os.path.splitext(path)[1][1:].lower()
+    formats = _plot_formats()
+    if suffix and suffix not in formats:
+        raise InvalidRequest(f"cannot plot to {path}: unknown format {suffix!r}; known: {', '.join(sorted(formats))}")
+
+
+def _plot_formats() -> set[str]:
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    return set(FigureCanvasBase.get_supported_filetypes())
 
 
 def plot_sweep(results: Sequence[ReplayResult], path: str, title: str) -> None:

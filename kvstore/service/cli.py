@@ -24,7 +24,7 @@ import sys
 from dataclasses import replace
 
 from kvstore.config import DiskConfig, HostConfig, StoreConfig, default_data_dir, parse_size
-from kvstore.errors import KVStoreError
+from kvstore.errors import KVStoreError, describe_os_error
 from kvstore.service.config import DEFAULT_ADDRESS, ServeConfig
 from kvstore.service.config_file import layered_environment
 
@@ -122,4 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except KVStoreError as exc:
         print(f"kvstore serve: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a data or shared-memory directory that is missing or may not be written
+        print(f"kvstore serve: {describe_os_error(exc)}", file=sys.stderr)
         return 2

@@ -25,13 +25,13 @@ from typing import Mapping
 
 from kvstore.config import ENV_PREFIX
 from kvstore.errors import InvalidRequest
+from kvstore.service.config import ServeConfig
 from kvstore.service.limits import ServiceLimits
 
 STORE_KEYS = ("host_capacity", "host_page_bytes", "shm_dir", "disk_path", "disk_capacity", "durable", "direct_io", "policy",
               "write_policy", "promote_on_hit", "lease_ttl_s")
-SERVE_KEYS = ("address", "http_address", "data_address", "token", "token_file", "tls_cert", "tls_key", "allow_plaintext",
-              "protect_metrics", "staging_bytes", "durable_puts", "shutdown_grace_s",
-              *(f.name for f in fields(ServiceLimits)))
+# Every ServeConfig setting (limits are flat keys of their own), so a new setting cannot be left out.
+SERVE_KEYS = (*(f.name for f in fields(ServeConfig) if f.name != "limits"), *(f.name for f in fields(ServiceLimits)))
 KNOWN_KEYS = frozenset(STORE_KEYS + SERVE_KEYS + ("data_dir",))
 
 

@@ -20,8 +20,11 @@ Exposure rules (token, TLS) are kvstore.service.security's.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import os
 import signal
+import socket
 from typing import Callable
 
 import grpc
@@ -59,7 +62,10 @@ async def create_server(address: str, store: TieredStore, limits: ServiceLimits 
     ``data_plane``: a started native data plane over the store's host tier, for GetSlots to grant to.
     """
     interceptors = [security.BearerAuthInterceptor(token)] if token else []
-    server = grpc.aio.server(options=limits.channel_options(), interceptors=interceptors)
+    # Without SO_REUSEPORT a second sidecar on this port fails to bind, instead of the kernel
+    # splitting the clients between two stores.
+    options = [*limits.channel_options(), ("grpc.so_reuseport", 0)]
+    server = grpc.aio.server(options=options, interceptors=interceptors)
     servicer = KVStoreServicer(store, limits, metrics, staging, durable_puts, data_plane)
     if data_plane is not None:
         servicer.metrics.watch_data_plane(data_plane)
@@ -72,10 +78,29 @@ async def create_server(address: str, store: TieredStore, limits: ServiceLimits 
     try:
         port = server.add_secure_port(address, security.server_credentials(tls)) if tls else \
             server.add_insecure_port(address)
-    except RuntimeError as exc:
-        raise InvalidRequest(f"cannot listen on {address!r} ({exc}): is it in use? "
-                             "give --address HOST:PORT or unix:PATH") from None
+    except RuntimeError:
+        raise InvalidRequest(f"cannot listen on {address!r}: {_bind_failure(address)}; "
+                             "give another --address HOST:PORT (port 0: any free one) or unix:PATH") from None
     return server, 0 if address.startswith("unix:") else port
+
+
+def _bind_failure(address: str) -> str:
+    """Why ``address`` cannot be bound (gRPC's error does not say): the OS's answer to a plain bind."""
+    if address.startswith("unix:"):
+        directory = os.path.dirname(address[len("unix:"):]) or "."
+        return "is it in use?" if os.path.isdir(directory) else f"the directory {directory} does not exist"
+    host, _, port = address.rpartition(":")
+    if not port.isdigit():
+        return "is it in use?"
+    try:
+        with socket.create_server((host.strip("[]"), int(port)), family=_family(host)):
+            return "is it in use?"
+    except OSError as exc:
+        return "address in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if host.startswith("[") else socket.AF_INET
 
 
 def bound_address(address: str, port: int) -> str:

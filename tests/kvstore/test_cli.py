@@ -81,3 +81,85 @@ def test_three_rounds_would_favour_one_side():
 
     slots = [i for i, name in enumerate(read_order(0, 3)) if name == "ceiling"]
     assert sum(i % 2 == 0 for i in slots) == 2  # two of three in the same phase: why the default is even
+
+
+@pytest.fixture
+def trace(tmp_path):
+    from kvstore.trace import write_trace
+
+    path = tmp_path / "t.jsonl"
+    write_trace(str(path), [{"timestamp": t, "input_length": 1500, "output_length": 10, "hash_ids": [1, 2, t]}
+                            for t in range(3, 9)])
+    return str(path)
+
+
+def run_main(capsys, *args):
+    """``kvstore ARGS`` in this process: (exit code, stdout, stderr)."""
+    from kvstore.cli import main
+
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--tiers", "bogus"), "unknown tier 'bogus'; give tiers from host, disk"),
+    (("--tiers", ""), "--tiers '' has an empty tier name"),
+    (("--tiers", "host=0.5,=0.5"), "has an empty tier name"),
+    (("--tiers", "disk=0.5,host=0.5"), "is out of order"),
+    (("--block-tokens", "0"), "--block-tokens must be positive, got 0"),
+    (("--block-tokens", "-512"), "--block-tokens must be positive, got -512"),
+    (("--plot", "c.png"), "--plot: only with --sweep"),
+    (("--capacities", "1k,2k", "--policies", "lru"), "--capacities, --policies: only with --sweep"),
+    (("--sweep",), "--capacity-tokens is for one replay; with --sweep give --capacities"),
+])
+def test_replay_refuses_flags_it_would_ignore_or_misread(capsys, trace, args, message):
+    code, out, err = run_main(capsys, "replay", trace, "--capacity-tokens", "3k", *args)
+    assert (code, out) == (2, "") and err.startswith("kvstore replay: ") and err.count("\n") == 1
+    assert message in err
+
+
+def test_replay_accepts_the_store_tiers_fastest_first(capsys, trace):
+    code, out, err = run_main(capsys, "replay", trace, "--capacity-tokens", "4k", "--tiers", "host=0.5,disk=0.5",
+                              "--json")
+    assert code == 0, err
+    assert list(json.loads(out)["tier_capacity_tokens"]) == ["host", "disk"]
+
+
+@pytest.mark.parametrize("plot, message", [
+    ("missing/c.png", "the directory {tmp}/missing does not exist"),
+    (".", "is a directory"),
+    ("c.txt", "unknown format 'txt'"),
+])
+def test_a_bad_plot_path_is_refused_before_the_sweep_runs(capsys, monkeypatch, tmp_path, trace, plot, message):
+    import kvstore.replay
+
+    def sweep(*args, **kw):
+        raise AssertionError("the sweep ran before the plot path was checked")
+
+    monkeypatch.setattr(kvstore.replay, "sweep", sweep)
+    code, out, err = run_main(capsys, "replay", trace, "--sweep", "--capacities", "2k", "--plot",
+                              str(tmp_path / plot))
+    assert (code, out) == (2, "") and message.format(tmp=tmp_path) in err
+
+
+@pytest.mark.parametrize("make_args, message", [
+    (lambda tmp: ("replay", str(tmp), "--capacity-tokens", "1M"), "kvstore replay: cannot access {tmp}: Is a directory"),
+    (lambda tmp: ("trace-gen", "chat", "--out", f"{tmp}/missing/x.jsonl"),
+     "kvstore trace-gen: cannot access {tmp}/missing/x.jsonl: No such file or directory"),
+    (lambda tmp: ("bench", "--dir", f"{tmp}/missing", "--blocks", "2", "--repeats", "1", "--read-rounds", "2"),
+     "kvstore bench: --dir {tmp}/missing is not a directory; give an existing one to measure"),
+    (lambda tmp: ("serve", "--data-dir", f"{tmp}/t.jsonl", "--host-capacity", "0", "--disk-capacity", "64MiB",
+                  "--http-address", "off", "--address", "127.0.0.1:0"),
+     "kvstore serve: cannot access {tmp}/t.jsonl/disk: Not a directory"),
+])
+def test_a_path_the_os_refuses_is_one_line_and_exit_2(capsys, tmp_path, trace, make_args, message):
+    code, out, err = run_main(capsys, *make_args(tmp_path))
+    assert (code, out) == (2, "") and err == message.format(tmp=tmp_path) + "\n"
+
+
+def test_a_missing_shared_memory_directory_is_one_line_without_a_traceback(tmp_path):
+    done = kvstore("serve", "--host-capacity", "4MiB", "--disk-capacity", "0", "--http-address", "off",
+                   "--address", "127.0.0.1:0", env={"KVSTORE_SHM_DIR": str(tmp_path / "missing")}, timeout=60)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == f"kvstore serve: cannot access {tmp_path}/missing: No such file or directory\n"

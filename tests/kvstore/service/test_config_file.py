@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import fields
 
 import pytest
 
@@ -70,3 +71,14 @@ def test_serve_reads_its_config_file_and_flags_override_it(tmp_path):
     done = subprocess.run([sys.executable, "-m", "kvstore.service", "--config", str(bad)], capture_output=True,
                           text=True, timeout=60, env={**os.environ, "PYTHONPATH": REPO})
     assert done.returncode == 2 and "unknown keys ['adress']" in done.stderr
+
+
+def test_every_serve_setting_is_a_file_key(tmp_path):
+    """The README's rule: a TOML key is the KVSTORE_* variable without the prefix, in lower case."""
+    config = tmp_path / "kvstore.toml"
+    config.write_text("check_integrity_on_exit = true\nshutdown_grace_s = 2.5\n")
+    serve = ServeConfig.from_env(layered_environment(str(config), {}))
+    assert (serve.check_integrity_on_exit, serve.shutdown_grace_s) == (True, 2.5)
+    for field in fields(ServeConfig):
+        if field.name != "limits":
+            assert as_environment({field.name: "1"}) == {f"KVSTORE_{field.name.upper()}": "1"}

@@ -104,3 +104,21 @@ def test_an_integrity_failure_at_shutdown_is_named(make_store, monkeypatch):
     with pytest.raises(IntegrityCheckFailed, match="at shutdown: host tier: 3 blocks"):
         _check_integrity(store)
     store.close()
+
+
+def test_a_second_sidecar_on_a_taken_port_fails_instead_of_sharing_it(tmp_path):
+    """Python gRPC sets SO_REUSEPORT by default: the second would bind too and the kernel would
+    split the clients between two stores."""
+    flags = ("--http-address", "off", "--data-address", "off", "--host-capacity", "4MiB", "--disk-capacity", "0")
+    first, address, _ = start_serving("--address", "127.0.0.1:0", *flags, env={"KVSTORE_SHM_DIR": str(tmp_path)})
+    try:
+        second = subprocess.run([sys.executable, "-m", "kvstore.cli", "serve", "--address", address, *flags],
+                                capture_output=True, text=True, timeout=60,
+                                env={**os.environ, "PYTHONPATH": REPO, "KVSTORE_SHM_DIR": str(tmp_path)})
+        assert first.poll() is None, "the first sidecar keeps serving"
+    finally:
+        first.terminate()
+        first.wait(30)
+    assert (second.returncode, second.stdout) == (2, "")
+    assert f"kvstore serve: cannot listen on '{address}': address in use;" in second.stderr
+    assert "Traceback" not in second.stderr
