@@ -8,12 +8,18 @@ what the segments hold. Findings:
     corrupt_records    a record header that parses but whose payload fails its checksums
     orphans            a complete, verifying record no index entry points at (unacknowledged)
     missing_segments   segments the index points at that do not exist
-    uncommitted_bytes  bytes past the committed tail of the active segment (an interrupted write)
+    uncommitted_bytes  bytes at or past the committed tail (an interrupted write; a torn record
+                       there is not a corrupt one)
+    index_unreadable   the index could not be read at all (repair rebuilds it from the segments)
 
-A tier is clean when there are no bad entries, corrupt records or missing segments: orphans
-and uncommitted bytes are what a crash legitimately leaves, and the next open reclaims them.
-Repair opens the tier (which runs its recovery), reads every block through the verifying read
-path (dropping any that fail), and closes it.
+A tier is clean when there are no bad entries, corrupt records or missing segments and the index
+reads: orphans and uncommitted bytes are what a crash legitimately leaves, and the next open
+reclaims them. Repair opens the tier (which runs its recovery), reads every block through the
+verifying read path (dropping any that fail), and closes it.
+
+fsck checks a tier at rest: while a process has the tier open (it holds ``DIR/tier.lock``), the
+check and the repair both refuse with ``NotPermitted`` rather than race its writes. The check
+holds a shared lock meanwhile, so no tier opens the directory under it; it creates nothing.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import numpy as np
 from rocksdict import AccessType, Options, Rdict
 
 from kvstore.errors import InvalidRequest
+from kvstore.tiers.disk_files import BLOCK_KEY_PREFIX, TAIL_KEY, TAIL_VALUE, DirectoryLock
 from kvstore.tiers.segment import scan_segment
 
 ProgressFactory = Callable[[str, int], Callable[[int], None]]
@@ -45,11 +52,12 @@ class FsckReport:
     uncommitted_bytes: int = 0
     payload_bytes: int = 0
     repaired_entries: int = 0
+    index_unreadable: bool = False
     problems: list[str] = field(default_factory=list)
 
     @property
     def clean(self) -> bool:
-        return not (self.bad_entries or self.corrupt_records or self.missing_segments)
+        return not (self.bad_entries or self.corrupt_records or self.missing_segments or self.index_unreadable)
 
     def as_dict(self) -> dict:
         return {**asdict(self), "clean": self.clean}
@@ -61,26 +69,48 @@ def _read_index(index_dir: str) -> tuple[dict[bytes, tuple[int, int, int]], tupl
     db = Rdict(index_dir, options=Options(raw_mode=True), access_type=AccessType.read_only())
     try:
         for raw_key, raw_value in db.items():
-            if raw_key.startswith(b"b") and len(raw_key) == 33:
+            if raw_key.startswith(BLOCK_KEY_PREFIX) and len(raw_key) == 33:
                 segment, offset, nbytes = struct.unpack_from("<IQQ", raw_value)
                 entries[raw_key[1:]] = (segment, offset, nbytes)
-        tail = db.get(b"m/tail")
+        tail = db.get(TAIL_KEY)
     finally:
         db.close()
-    return entries, (struct.unpack("<IQ", tail) if tail else None)
+    return entries, (TAIL_VALUE.unpack(tail) if tail else None)
 
 
 def fsck(path: str, progress: ProgressFactory | None = None, repair: bool = False) -> FsckReport:
-    segments_dir = os.path.join(path, "segments")
-    index_dir = os.path.join(path, "index")
-    if not os.path.isdir(segments_dir):
+    """Check the tier at ``path`` (after repairing it, with ``repair``). The check changes nothing.
+    Raises ``InvalidRequest`` if ``path`` is no disk tier, ``NotPermitted`` if a process has it open."""
+    if not os.path.isdir(os.path.join(path, "segments")):
         raise InvalidRequest(f"{path} is not a kvstore disk tier directory (no segments/ inside)")
     report = FsckReport(path=os.path.abspath(path))
     if repair:
         report.repaired_entries = _repair(path, progress)
-    entries, tail = _read_index(index_dir) if os.path.isdir(index_dir) else ({}, None)
+    lock = DirectoryLock(path, shared=True)
+    try:
+        _check(path, report, progress)
+    finally:
+        lock.release()
+    return report
+
+
+def _load_index(path: str, report: FsckReport) -> tuple[dict[bytes, tuple[int, int, int]], tuple[int, int] | None]:
+    """``_read_index``, with a missing or unreadable index noted in ``report`` instead of raised."""
+    index_dir = os.path.join(path, "index")
     if not os.path.isdir(index_dir):
         report.problems.append("index directory is missing (the next open rebuilds it from the segments)")
+        return {}, None
+    try:
+        return _read_index(index_dir)
+    except Exception as exc:  # rocksdict raises plain Exception
+        report.index_unreadable = True
+        report.problems.append(f"index is unreadable ({exc}); run with --repair to rebuild it from the segments")
+        return {}, None
+
+
+def _check(path: str, report: FsckReport, progress: ProgressFactory | None) -> None:
+    segments_dir = os.path.join(path, "segments")
+    entries, tail = _load_index(path, report)
     report.indexed_blocks = len(entries)
     segment_ids = sorted(int(n[:-4]) for n in os.listdir(segments_dir) if n.endswith(".seg") and n[:-4].isdigit())
     report.segments = len(segment_ids)
@@ -93,11 +123,10 @@ def fsck(path: str, progress: ProgressFactory | None = None, repair: bool = Fals
             if record.valid:
                 found[(segment_id, record.offset)] = record.header.key
                 report.payload_bytes += record.header.nbytes
-            else:
+            elif not _uncommitted(tail, segment_id, record.offset):  # a torn record there is a crash leftover
                 report.corrupt_records += 1
                 report.problems.append(f"segment {segment_id} offset {record.offset}: record fails its checksums")
-        if tail and segment_id == tail[0]:
-            report.uncommitted_bytes = max(0, os.path.getsize(seg_path) - tail[1])
+        report.uncommitted_bytes += _uncommitted_bytes(tail, segment_id, os.path.getsize(seg_path))
     present = set(segment_ids)
     missing = {segment for segment, _, _ in entries.values() if segment not in present}
     report.missing_segments = len(missing)
@@ -111,7 +140,18 @@ def fsck(path: str, progress: ProgressFactory | None = None, repair: bool = Fals
             report.bad_entries += 1
             report.problems.append(f"index entry {key.hex()} -> segment {segment} offset {offset}: no verifying record")
     report.orphans = sum(1 for place in found if place not in referenced)
-    return report
+
+
+def _uncommitted(tail: tuple[int, int] | None, segment_id: int, offset: int) -> bool:
+    """Whether ``offset`` of a segment is at or past the committed tail (no tail known: never)."""
+    return tail is not None and (segment_id, offset) >= tail
+
+
+def _uncommitted_bytes(tail: tuple[int, int] | None, segment_id: int, size: int) -> int:
+    """Bytes of a ``size``-byte segment at or past the committed tail."""
+    if tail is None or segment_id < tail[0]:
+        return 0
+    return size if segment_id > tail[0] else max(0, size - tail[1])
 
 
 def _repair(path: str, progress: ProgressFactory | None) -> int:

@@ -12,11 +12,16 @@ only then copied to the caller. A mismatch is a miss, the entry is dropped and c
 nothing wrong is ever served. Buffered (``direct_io=False``), reads go straight into the
 caller's buffer and are verified there.
 
+One process owns a tier directory: it holds an exclusive ``flock`` on ``DIR/tier.lock`` from
+before it touches anything there until ``close`` (the kernel drops it if the process dies), and a
+second opener, in this process or another, gets ``NotPermitted`` instead of a share of the files.
+
 Crash safety: a record's bytes are written before its index entry, in the same order every
 time. On open, the active segment is cut back to the last committed tail (a partly written
 record disappears), index entries whose segment file vanished are dropped, bytes no live record
-covers are punched out, and a missing or unreadable index is rebuilt from the segments (newest
-sequence number wins). ``durable=True`` acknowledges a write only after ``fdatasync`` and a
+covers are punched out, and a missing or unusable index is rebuilt from the segments (newest
+sequence number wins: ``disk_recovery``); an index that is locked or that we may not read is
+left alone and the open fails. ``durable=True`` acknowledges a write only after ``fdatasync`` and a
 synced index write.
 
 Space: capacity counts record footprints. Removing a record punches a hole over it; a segment
@@ -28,15 +33,12 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
-import struct
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterator
 
 import numpy as np
-from rocksdict import Options, Rdict, WriteBatch, WriteOptions
+from rocksdict import Rdict, WriteBatch, WriteOptions
 
 from kvstore.checksum import layers_match
 from kvstore.errors import InvalidRequest, StoreClosed
@@ -45,8 +47,10 @@ from kvstore.tiers.direct_io import (
     read_direct, read_record_direct, write_record_direct,
 )
 from kvstore.tiers.disk_files import (
-    IndexEntry, SegmentFile, fsync_directory, newest_records, segment_name, supports_direct, truncate_quietly,
+    BLOCK_KEY_PREFIX, TAIL_KEY, TAIL_VALUE, DirectoryLock, IndexEntry, SegmentFile, fsync_directory, open_index,
+    segment_name, supports_direct, truncate_quietly,
 )
+from kvstore.tiers.disk_recovery import DiskRecovery
 from kvstore.tiers.read_ahead import ReadAhead, Record, ThreadRuns
 from kvstore.tiers.segment import (
     HEADER_BYTES, MAX_LAYERS, RecordHeader, footprint, punch_hole, start_writeback,
@@ -55,15 +59,10 @@ from kvstore.tiers.segment import (
 log = logging.getLogger(__name__)
 
 DEFAULT_SEGMENT_BYTES = 256 << 20
-_BLOCK = b"b"
-_TAIL = b"m/tail"
-_FORMAT = b"m/format"
-_FORMAT_VERSION = b"kvstore-disk-1"
-_TAIL_VALUE = struct.Struct("<IQ")
 _ZEROS = bytes(HEADER_BYTES)
 
 
-class DiskTier(Tier):
+class DiskTier(DiskRecovery, Tier):
     name = "disk"
 
     def __init__(
@@ -82,14 +81,6 @@ class DiskTier(Tier):
         self.segment_bytes = segment_bytes
         self.durable = durable
         self._segments_dir = os.path.join(self.path, "segments")
-        os.makedirs(self._segments_dir, exist_ok=True)
-        # O_DIRECT reads and writes (default), or buffered ones: never a mix. A buffered read next
-        # to an O_DIRECT append can leave stale pages in the page cache that later buffered reads
-        # serve (seen here as records reading back as zeros); checksums caught it, as misses.
-        # Where the file system has no O_DIRECT (tmpfs), everything is buffered.
-        self.direct_io = direct_io and supports_direct(self._segments_dir)
-        # writes a record's first MiB while the rest is copied into the bounce buffer (direct_io)
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvstore-disk-write") if self.direct_io else None
         self._runs = ThreadRuns()  # each loading thread's O_DIRECT read-ahead
         self._lock = threading.RLock()
         self._index: dict[bytes, IndexEntry] = {}
@@ -104,105 +95,39 @@ class DiskTier(Tier):
              "recovered_truncated_bytes", "index_rebuilds"), 0)
         self._closed = False
         self._progress = progress
-        self._db = self._open_index()
-        self._recover()
+        self._writer: ThreadPoolExecutor | None = None
+        self._db: Rdict | None = None
+        os.makedirs(self.path, exist_ok=True)
+        self._dir_lock = DirectoryLock(self.path)  # first: another process's directory is never touched
+        try:
+            self._open(direct_io)
+        except BaseException:
+            self._abandon_open()
+            raise
 
     # ---- open and recovery -------------------------------------------------------------
 
-    def _open_index(self) -> Rdict:
-        index_dir = os.path.join(self.path, "index")
-        try:
-            return Rdict(index_dir, options=Options(raw_mode=True))
-        except Exception as exc:  # corrupt or unreadable: keep it aside and rebuild
-            aside = f"{index_dir}.corrupt-{int(time.time())}"
-            log.warning("disk index at %s unreadable (%s); moved to %s, rebuilding", index_dir, exc, aside)
-            shutil.move(index_dir, aside)
-            return Rdict(index_dir, options=Options(raw_mode=True))
+    def _open(self, direct_io: bool) -> None:
+        """Everything an open does once the directory is ours: files, I/O mode, index, recovery."""
+        os.makedirs(self._segments_dir, exist_ok=True)
+        # O_DIRECT reads and writes (default), or buffered ones: never a mix. A buffered read next
+        # to an O_DIRECT append can leave stale pages in the page cache that later buffered reads
+        # serve (seen here as records reading back as zeros); checksums caught it, as misses.
+        # Where the file system has no O_DIRECT (tmpfs), everything is buffered.
+        self.direct_io = direct_io and supports_direct(self._segments_dir)
+        # writes a record's first MiB while the rest is copied into the bounce buffer (direct_io)
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvstore-disk-write") if self.direct_io else None
+        self._db = open_index(os.path.join(self.path, "index"))
+        self._recover()
 
-    def _segment_ids_on_disk(self) -> list[int]:
-        ids = []
-        for name in os.listdir(self._segments_dir):
-            if name.endswith(".seg") and name[:-4].isdigit():
-                ids.append(int(name[:-4]))
-        return sorted(ids)
-
-    def _recover(self) -> None:
-        on_disk = self._segment_ids_on_disk()
-        if self._db.get(_FORMAT) is None:
-            if on_disk:
-                self._rebuild_index(on_disk)
-            self._db.put(_FORMAT, _FORMAT_VERSION)
-        self._load_index(on_disk)
-        self._reclaim_uncovered()
-
-    def _load_index(self, on_disk: list[int]) -> None:
-        sizes = {i: os.path.getsize(os.path.join(self._segments_dir, segment_name(i))) for i in on_disk}
-        tail = self._db.get(_TAIL)
-        tail_segment, tail_offset = _TAIL_VALUE.unpack(tail) if tail else (0, 0)
-        lost = WriteBatch(raw_mode=True)
-        for raw_key, raw_value in self._db.items(from_key=_BLOCK):
-            if not raw_key.startswith(_BLOCK):
-                break
-            entry = IndexEntry.decode(raw_value)
-            beyond_tail = (entry.segment, entry.offset) >= (tail_segment, tail_offset)
-            beyond_eof = entry.offset + footprint(entry.nbytes) > sizes.get(entry.segment, -1)
-            if beyond_tail or beyond_eof:  # segment missing or cut short
-                lost.delete(raw_key)
-                self._counters["recovered_lost_blocks"] += 1
-                continue
-            self._index[raw_key[1:]] = entry
-            self._seq = max(self._seq, entry.seq + 1)
-        if self._counters["recovered_lost_blocks"]:
-            log.warning("disk tier %s: %d index entries pointed at missing or truncated segments; dropped",
-                        self.path, self._counters["recovered_lost_blocks"])
-            self._db.write(lost)
-        for segment_id in on_disk:
-            if segment_id > tail_segment:  # created, but nothing in it was ever committed
-                os.unlink(os.path.join(self._segments_dir, segment_name(segment_id)))
-                continue
-            path = os.path.join(self._segments_dir, segment_name(segment_id))
-            appends = segment_id == tail_segment  # the active segment: writes go on
-            self._segments[segment_id] = SegmentFile(segment_id, path, self.direct_io, appends)
-        for entry in self._index.values():
-            self._segments[entry.segment].live_bytes += footprint(entry.nbytes)
-        if tail_segment in self._segments:
-            self._active = self._segments[tail_segment]
-            size = os.fstat(self._active.fd).st_size
-            if size > tail_offset:  # a record was being written when the process died
-                os.ftruncate(self._active.fd, tail_offset)
-                self._counters["recovered_truncated_bytes"] += size - tail_offset
-            elif size < tail_offset:  # cut short behind our back: keep appends after every committed record
-                os.ftruncate(self._active.fd, tail_offset)
-            self._tail = tail_offset
-
-    def _rebuild_index(self, on_disk: list[int]) -> None:
-        """Recreate the index from segment headers, verifying every payload."""
-        self._counters["index_rebuilds"] += 1
-        total = sum(os.path.getsize(os.path.join(self._segments_dir, segment_name(i))) for i in on_disk)
-        advance = self._progress("rebuilding disk index", total) if self._progress else None
-        log.warning("disk tier %s: no index, rebuilding from %d segments (%d bytes)", self.path, len(on_disk), total)
-        best, tail = newest_records(self._segments_dir, on_disk, advance)
-        batch = WriteBatch(raw_mode=True)
-        for key, entry in best.items():
-            batch.put(_BLOCK + key, entry.encode())
-        batch.put(_TAIL, _TAIL_VALUE.pack(*tail))
-        self._db.write(batch)
-
-    def _reclaim_uncovered(self) -> None:
-        """Punch every byte range of every segment that no live record covers."""
-        covered: dict[int, list[tuple[int, int]]] = {sid: [] for sid in self._segments}
-        for entry in self._index.values():
-            covered[entry.segment].append((entry.offset, entry.offset + footprint(entry.nbytes)))
-        for segment_id, segment in list(self._segments.items()):
-            if not covered[segment_id] and segment is not self._active:
-                self._delete_segment(segment)
-                continue
-            cursor = 0
-            end_of_file = os.fstat(segment.fd).st_size
-            for start, end in sorted(covered[segment_id]) + [(end_of_file, end_of_file)]:
-                if start > cursor and not punch_hole(segment.fd, cursor, start - cursor):
-                    segment.dead_bytes += start - cursor
-                cursor = max(cursor, end)
+    def _abandon_open(self) -> None:
+        """After a failed open: close what was opened, then let the directory go."""
+        if self._db is not None:
+            self._db.close()
+        if self._writer is not None:
+            self._writer.shutdown()
+        self._segments.clear()
+        self._dir_lock.release()
 
     # ---- the Tier interface ------------------------------------------------------------
 
@@ -251,8 +176,8 @@ class DiskTier(Tier):
             try:
                 self._write_record(segment, offset, header.encode(), payload, size)
                 batch = WriteBatch(raw_mode=True)
-                batch.put(_BLOCK + key, entry.encode())
-                batch.put(_TAIL, _TAIL_VALUE.pack(segment.id, offset + size))
+                batch.put(BLOCK_KEY_PREFIX + key, entry.encode())
+                batch.put(TAIL_KEY, TAIL_VALUE.pack(segment.id, offset + size))
                 self._db.write(batch, write_opt=self._write_opt)
             except Exception as exc:  # OSError from the segment, rocksdict raises plain Exception
                 self._counters["io_errors"] += 1
@@ -413,7 +338,7 @@ class DiskTier(Tier):
                 return False
             size = footprint(entry.nbytes)
             try:
-                self._db.delete(_BLOCK + key)
+                self._db.delete(BLOCK_KEY_PREFIX + key)
             except Exception as exc:  # the index entry may reappear after restart; its bytes still verify
                 log.error("disk tier %s: index delete failed: %s", self.path, exc)
             segment = self._segments[entry.segment]
@@ -493,7 +418,9 @@ class DiskTier(Tier):
             self._db.close()
             self._segments.clear()
             self._active = None
+            self._dir_lock.release()
 
     def _check_open(self) -> None:
         if self._closed:
             raise StoreClosed(f"disk tier at {self.path} is closed")
+

@@ -1,21 +1,39 @@
-"""The disk tier's files: an index entry's format, one open segment file, and the file-system
-helpers the tier uses on them (segment names, O_DIRECT probing, directory fsync, truncation).
+"""The disk tier's files: an index entry's format, one open segment file, the lock that says which
+process owns a tier directory, opening the index, and the file-system helpers the tier uses on them
+(segment names, O_DIRECT probing, directory fsync, truncation).
 
 Mechanism only: which record goes where, and when, is ``kvstore.tiers.disk``'s business.
 """
 
 from __future__ import annotations
 
+import fcntl
+import logging
 import os
+import re
+import shutil
 import struct
+import time
 from dataclasses import dataclass
 
 from typing import Callable
 
+from rocksdict import Options, Rdict
+
+from kvstore.errors import NotPermitted
 from kvstore.tiers.direct_io import open_direct
 from kvstore.tiers.segment import footprint, scan_segment
 
+log = logging.getLogger(__name__)
+
 _ENTRY = struct.Struct("<IQQIQ32sB")  # segment, offset, nbytes, num_layers, seq, parent, has_parent
+
+# the index's keys: BLOCK_KEY_PREFIX + block key -> IndexEntry; TAIL_KEY -> the committed tail
+BLOCK_KEY_PREFIX = b"b"
+TAIL_KEY = b"m/tail"
+TAIL_VALUE = struct.Struct("<IQ")  # segment id, offset
+FORMAT_KEY = b"m/format"
+FORMAT_VERSION = b"kvstore-disk-1"
 
 
 @dataclass(slots=True)
@@ -66,6 +84,91 @@ class SegmentFile:
             setattr(self, name, None)
             if fd is not None and fd >= 0:
                 os.close(fd)
+
+
+LOCK_NAME = "tier.lock"
+
+
+class DirectoryLock:
+    """An advisory ``flock`` on ``DIR/tier.lock``, held from construction until ``release()``.
+
+    Exclusive (``shared=False``): the owner of a tier directory, the only one that may change it.
+    Shared: a reader that needs the directory to hold still (``kvstore fsck``); it never creates
+    the lock file (a directory without one has never been opened by a tier that locks).
+    Either raises ``NotPermitted`` at once, never waits, when the other kind is held, by another
+    process or by another tier in this one (flock locks belong to an open file, not a process).
+    The kernel drops the lock when its holder dies, SIGKILL included, so a dead owner never
+    blocks the next one. ``release`` is idempotent.
+    """
+
+    def __init__(self, directory: str, shared: bool = False):
+        self.path = os.path.join(directory, LOCK_NAME)
+        self._fd: int | None = None
+        try:
+            fd = os.open(self.path, os.O_RDONLY) if shared else os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except FileNotFoundError:
+            return  # shared only: nothing to lock against
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise NotPermitted(
+                f"disk tier directory {directory} is in use: another kvstore process (a running "
+                f"`kvstore serve`, or an fsck) has it open. Stop that process first (a second tier "
+                f"needs a directory of its own).") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)  # closing the only descriptor of the open file drops the flock
+
+    def __del__(self) -> None:
+        self.release()
+
+
+def open_index(index_dir: str) -> Rdict:
+    """The tier's RocksDB index, created if missing (empty: the tier rebuilds it from the segments).
+
+    An index RocksDB cannot open (corrupt, files missing, or the path is not a directory) is moved
+    aside to ``index.corrupt-TIME`` and a new one created: the segments are the truth, and the
+    tier rebuilds the entries from them. An index that is locked (another process has it open) or
+    that we may not read raises ``OSError`` and is left as it is: it is not broken, and moving it
+    would take a live index from under its owner.
+    """
+    try:
+        if os.path.lexists(index_dir) and not os.path.isdir(index_dir):
+            raise _CorruptIndex("not a directory")
+        return _open_rdict(index_dir)
+    except _CorruptIndex as exc:
+        aside = f"{index_dir}.corrupt-{int(time.time())}"
+        log.warning("disk index at %s is corrupt (%s); moved to %s, rebuilding", index_dir, exc, aside)
+        shutil.move(index_dir, aside)
+        return _open_rdict(index_dir)
+
+
+class _CorruptIndex(Exception):
+    """RocksDB cannot use the index: a rebuild from the segments repairs it."""
+
+
+# RocksDB's LOCK file held (its wording varies: "lock hold by current process", "While lock file:
+# .../LOCK: Resource temporarily unavailable"), or EACCES: failures of access, not of the index
+_NOT_OURS = re.compile(r"/LOCK\b|lock hold|Permission denied")
+
+
+def _open_rdict(index_dir: str) -> Rdict:
+    """Open (or create) the index; ``OSError`` if it is locked or unreadable to us, else
+    ``_CorruptIndex`` for any failure."""
+    try:
+        return Rdict(index_dir, options=Options(raw_mode=True))
+    except Exception as exc:  # rocksdict raises plain Exception with RocksDB's status as its message
+        if _NOT_OURS.search(str(exc)):
+            raise OSError(f"disk index at {index_dir} could not be opened ({exc}); left as it is: it is in "
+                          f"use or not readable, not corrupt. Fix the cause and open the tier again.") from exc
+        raise _CorruptIndex(str(exc)) from exc
 
 
 def segment_name(segment_id: int) -> str:

@@ -6,11 +6,14 @@ import shutil
 import numpy as np
 import pytest
 
-from kvstore.errors import InvalidRequest
+from kvstore.cli import main
+from kvstore.errors import InvalidRequest, NotPermitted
 from kvstore.fsck import format_report, fsck
 from kvstore.keys import namespace_hashes
-from kvstore.tiers.segment import HEADER_BYTES
+from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.segment import HEADER_BYTES, scan_segment
 from tests.conftest import payloads_for
+from tests.kvstore.tiers.disk_helpers import TierOwner, reads_exact
 
 
 @pytest.fixture
@@ -35,10 +38,12 @@ def _flip(path, offset):
 
 def test_clean_tier_reports_clean_and_changes_nothing(disk_dir):
     before = {p: p.stat().st_mtime_ns for p in (disk_dir / "segments").iterdir()}
+    os.unlink(disk_dir / "tier.lock")  # as a tier from before the lock left it: the check creates none
     report = fsck(str(disk_dir))
     assert report.clean and report.ok == report.indexed_blocks == 10
     assert (report.bad_entries, report.corrupt_records, report.orphans, report.missing_segments) == (0, 0, 0, 0)
     assert before == {p: p.stat().st_mtime_ns for p in (disk_dir / "segments").iterdir()}
+    assert sorted(os.listdir(disk_dir)) == ["index", "segments"]
     assert "status: clean" in format_report(report)
 
 
@@ -77,3 +82,49 @@ def test_progress_callback_sees_every_byte(disk_dir):
 def test_not_a_disk_tier_is_a_clear_error(tmp_path):
     with pytest.raises(InvalidRequest, match="not a kvstore disk tier"):
         fsck(str(tmp_path))
+
+
+def test_a_torn_record_past_the_committed_tail_is_uncommitted_not_corrupt(disk_dir):
+    """A crash mid-append leaves a record whose header landed and whose payload did not: the
+    legitimate crash state the next open cuts away, so the tier is clean."""
+    segment = disk_dir / "segments" / "00000001.seg"
+    tail = os.path.getsize(segment)
+    first = next(scan_segment(str(segment), verify=False))
+    with open(segment, "r+b") as f:  # the first record's header and half its payload, at the tail
+        f.seek(tail)
+        f.write(os.pread(f.fileno(), HEADER_BYTES + first.header.nbytes // 2, first.offset))
+    report = fsck(str(disk_dir))
+    assert report.clean and report.corrupt_records == 0 and report.problems == []
+    assert report.ok == 10 and report.uncommitted_bytes == HEADER_BYTES + first.header.nbytes // 2
+    assert "status: clean" in format_report(report)
+
+
+def test_an_unreadable_index_is_a_reported_problem_not_a_crash(disk_dir, capsys):
+    (disk_dir / "index" / "CURRENT").write_bytes(b"garbage")
+    report = fsck(str(disk_dir))
+    assert not report.clean and report.index_unreadable and report.orphans == 10 and report.ok == 0
+    assert any("index is unreadable" in p and "--repair" in p for p in report.problems)
+    assert main(["fsck", str(disk_dir)]) == 1
+    out, err = capsys.readouterr()
+    assert "index is unreadable" in out and "PROBLEMS FOUND" in out and err == ""
+    repaired = fsck(str(disk_dir), repair=True)  # the index is rebuilt from the segments
+    assert repaired.clean and repaired.ok == repaired.indexed_blocks == 10
+
+
+def test_fsck_refuses_a_tier_another_process_has_open_and_changes_nothing(disk_dir, capsys):
+    with TierOwner(disk_dir) as owner:
+        assert owner.put(1000, 1001) == [True, True]
+        for repair in (False, True):
+            with pytest.raises(NotPermitted, match=f"{disk_dir} is in use"):
+                fsck(str(disk_dir), repair=repair)
+        assert main(["fsck", "--repair", str(disk_dir)]) == 2
+        assert "is in use: another kvstore process" in capsys.readouterr().err
+        assert sorted(os.listdir(disk_dir)) == ["index", "segments", "tier.lock"]  # no index moved aside
+        assert owner.put(1002) == [True]  # durable: acknowledged means on disk
+        owner.close()
+    tier = DiskTier(str(disk_dir), 64 << 20)
+    try:
+        assert tier.stats().extra["index_rebuilds"] == 0 and tier.stats().blocks == 13
+        assert all(reads_exact(tier, i) for i in (1000, 1001, 1002))
+    finally:
+        tier.close()

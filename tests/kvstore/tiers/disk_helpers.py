@@ -1,10 +1,15 @@
-"""What the disk tier tests share: block keys and payloads, a tier factory, and file surgery."""
+"""What the disk tier tests share: block keys and payloads, a tier factory, file surgery, and a
+real process that owns a tier."""
 
 from __future__ import annotations
 
 import glob
 import hashlib
+import json
 import os
+import signal
+import subprocess
+import sys
 
 import numpy as np
 
@@ -70,3 +75,56 @@ def flip_byte(file: str, offset: int, mask: int = 0x01) -> None:
     with open(file, "r+b") as f:
         byte = os.pread(f.fileno(), 1, offset)
         os.pwrite(f.fileno(), bytes([byte[0] ^ mask]), offset)
+
+
+# ---- a tier open in another process ------------------------------------------------------------
+
+_OWNER = """
+import json, sys
+from kvstore.tiers.disk import DiskTier
+from tests.kvstore.tiers.disk_helpers import put
+
+tier = DiskTier(sys.argv[1], 64 << 20, durable=True)
+for line in sys.stdin:  # a line of block ids: write them, answer which were acknowledged; empty: close
+    if not line.split():
+        break
+    print(json.dumps([put(tier, int(i)) for i in line.split()]), flush=True)
+tier.close()
+"""
+
+
+class TierOwner:
+    """A real process that opens the disk tier at ``path`` (``durable=True``) and holds it until
+    ``close()`` or ``kill()``; ``put`` has it write blocks. Leaving the ``with`` block kills it."""
+
+    def __init__(self, path):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _OWNER, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": REPO},
+        )
+
+    def put(self, *ids: int) -> list[bool]:
+        """Write blocks ``ids`` in the owner; which it acknowledged (after its tier is open)."""
+        self.proc.stdin.write(" ".join(map(str, ids)) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        assert line, f"the owner process died: {self.proc.stderr.read()}"
+        return json.loads(line)
+
+    def close(self) -> None:
+        """Close the tier and let the process end."""
+        _, err = self.proc.communicate("\n", timeout=30)
+        assert self.proc.returncode == 0, err
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(30)
+
+    def __enter__(self) -> "TierOwner":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.poll() is None:
+            self.kill()
+        for stream in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            stream.close()

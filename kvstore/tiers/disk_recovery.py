@@ -1,0 +1,111 @@
+"""The disk tier's recovery on open: load the index and drop entries whose bytes are gone, cut the
+active segment back to its committed tail, delete segments nothing was committed to, rebuild a
+missing index from the segment headers, and punch out bytes no live record covers.
+
+``DiskRecovery`` is half of ``DiskTier`` (kept apart to keep each file to one concern). It expects
+the host class to provide ``path``, ``direct_io``, ``_segments_dir``, ``_db``, ``_index``,
+``_segments``, ``_active``, ``_tail``, ``_seq``, ``_counters``, ``_progress`` and
+``_delete_segment``; ``_recover`` runs once, at open, before the tier serves anything.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from rocksdict import WriteBatch
+
+from kvstore.tiers.disk_files import (
+    BLOCK_KEY_PREFIX, FORMAT_KEY, FORMAT_VERSION, TAIL_KEY, TAIL_VALUE, IndexEntry, SegmentFile, newest_records,
+    segment_name,
+)
+from kvstore.tiers.segment import footprint, punch_hole
+
+log = logging.getLogger("kvstore.tiers.disk")
+
+
+class DiskRecovery:
+    def _segment_ids_on_disk(self) -> list[int]:
+        ids = []
+        for name in os.listdir(self._segments_dir):
+            if name.endswith(".seg") and name[:-4].isdigit():
+                ids.append(int(name[:-4]))
+        return sorted(ids)
+
+    def _recover(self) -> None:
+        on_disk = self._segment_ids_on_disk()
+        if self._db.get(FORMAT_KEY) is None:
+            if on_disk:
+                self._rebuild_index(on_disk)
+            self._db.put(FORMAT_KEY, FORMAT_VERSION)
+        self._load_index(on_disk)
+        self._reclaim_uncovered()
+
+    def _load_index(self, on_disk: list[int]) -> None:
+        sizes = {i: os.path.getsize(os.path.join(self._segments_dir, segment_name(i))) for i in on_disk}
+        tail = self._db.get(TAIL_KEY)
+        tail_segment, tail_offset = TAIL_VALUE.unpack(tail) if tail else (0, 0)
+        lost = WriteBatch(raw_mode=True)
+        for raw_key, raw_value in self._db.items(from_key=BLOCK_KEY_PREFIX):
+            if not raw_key.startswith(BLOCK_KEY_PREFIX):
+                break
+            entry = IndexEntry.decode(raw_value)
+            beyond_tail = (entry.segment, entry.offset) >= (tail_segment, tail_offset)
+            beyond_eof = entry.offset + footprint(entry.nbytes) > sizes.get(entry.segment, -1)
+            if beyond_tail or beyond_eof:  # segment missing or cut short
+                lost.delete(raw_key)
+                self._counters["recovered_lost_blocks"] += 1
+                continue
+            self._index[raw_key[1:]] = entry
+            self._seq = max(self._seq, entry.seq + 1)
+        if self._counters["recovered_lost_blocks"]:
+            log.warning("disk tier %s: %d index entries pointed at missing or truncated segments; dropped",
+                        self.path, self._counters["recovered_lost_blocks"])
+            self._db.write(lost)
+        for segment_id in on_disk:
+            if segment_id > tail_segment:  # created, but nothing in it was ever committed
+                os.unlink(os.path.join(self._segments_dir, segment_name(segment_id)))
+                continue
+            path = os.path.join(self._segments_dir, segment_name(segment_id))
+            appends = segment_id == tail_segment  # the active segment: writes go on
+            self._segments[segment_id] = SegmentFile(segment_id, path, self.direct_io, appends)
+        for entry in self._index.values():
+            self._segments[entry.segment].live_bytes += footprint(entry.nbytes)
+        if tail_segment in self._segments:
+            self._active = self._segments[tail_segment]
+            size = os.fstat(self._active.fd).st_size
+            if size > tail_offset:  # a record was being written when the process died
+                os.ftruncate(self._active.fd, tail_offset)
+                self._counters["recovered_truncated_bytes"] += size - tail_offset
+            elif size < tail_offset:  # cut short behind our back: keep appends after every committed record
+                os.ftruncate(self._active.fd, tail_offset)
+            self._tail = tail_offset
+
+    def _rebuild_index(self, on_disk: list[int]) -> None:
+        """Recreate the index from segment headers, verifying every payload."""
+        self._counters["index_rebuilds"] += 1
+        total = sum(os.path.getsize(os.path.join(self._segments_dir, segment_name(i))) for i in on_disk)
+        advance = self._progress("rebuilding disk index", total) if self._progress else None
+        log.warning("disk tier %s: no index, rebuilding from %d segments (%d bytes)", self.path, len(on_disk), total)
+        best, tail = newest_records(self._segments_dir, on_disk, advance)
+        batch = WriteBatch(raw_mode=True)
+        for key, entry in best.items():
+            batch.put(BLOCK_KEY_PREFIX + key, entry.encode())
+        batch.put(TAIL_KEY, TAIL_VALUE.pack(*tail))
+        self._db.write(batch)
+
+    def _reclaim_uncovered(self) -> None:
+        """Punch every byte range of every segment that no live record covers."""
+        covered: dict[int, list[tuple[int, int]]] = {sid: [] for sid in self._segments}
+        for entry in self._index.values():
+            covered[entry.segment].append((entry.offset, entry.offset + footprint(entry.nbytes)))
+        for segment_id, segment in list(self._segments.items()):
+            if not covered[segment_id] and segment is not self._active:
+                self._delete_segment(segment)
+                continue
+            cursor = 0
+            end_of_file = os.fstat(segment.fd).st_size
+            for start, end in sorted(covered[segment_id]) + [(end_of_file, end_of_file)]:
+                if start > cursor and not punch_hole(segment.fd, cursor, start - cursor):
+                    segment.dead_bytes += start - cursor
+                cursor = max(cursor, end)
