@@ -189,6 +189,7 @@ class TieredStore(PlacementMixin):
             # elsewhere, and must never evict block i+1 of the very chain being loaded.
             keys = [ns_id + h for h in block_hashes]
             with self._lock:
+                keys = self._readable_run(keys, lease_id)
                 self._leases.pin(keys)
                 lower = [[k for k in keys if (self._bits(k) & -self._bits(k)) == 1 << t] for t in range(len(self.tiers))]
             for t, tier_keys in enumerate(lower):  # let tiers that can read ahead start now
@@ -331,6 +332,17 @@ class TieredStore(PlacementMixin):
         self._policies[t].on_remove(key)
         if self._shadows is not None:
             self._shadows.update(key, self._bits(key))
+
+    def _readable_run(self, keys: list[bytes], lease_id: int | None) -> list[bytes]:
+        """``keys`` up to the first block deleted meanwhile that ``lease_id`` does not cover: a
+        deleted block stays readable only to the lease holders it waits for. Caller holds the lock."""
+        if not self._doomed:
+            return keys
+        leased = set(self._lease_keys(lease_id)) if lease_id is not None else set()
+        for i, key in enumerate(keys):
+            if key in self._doomed and key not in leased:
+                return keys[:i]
+        return keys
 
     def _lease_keys(self, lease_id: int) -> tuple[bytes, ...]:
         return self._leases.keys_of(lease_id)

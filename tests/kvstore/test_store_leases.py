@@ -242,3 +242,18 @@ def test_delete_namespace_during_a_put_removes_the_blocks_being_written(make_sto
     put_chain(store, ns_id, spec, chain[:1])  # the namespace itself stays usable
     assert store.lookup(ns_id, chain[:1]).hit_blocks == 1
     store.check_integrity()
+
+
+def test_a_deleted_but_leased_block_is_loaded_only_by_its_lease_holder(make_store, namespace, spec, chain):
+    store = make_store(background_writes=False)
+    ns_id = store.register_namespace(namespace)
+    payloads, _ = put_chain(store, ns_id, spec, chain[:3])
+    hit = store.lookup(ns_id, chain[:3], lease_ttl_s=60)
+    store.delete_namespace(ns_id)
+    stranger, _ = load_all(store, ns_id, spec, chain[:3])  # no lease: as if it had never been stored
+    assert stranger.loaded_blocks == 0
+    holder, dsts = load_all(store, ns_id, spec, chain[:3], lease_id=hit.lease_id)
+    assert holder.loaded_blocks == 3
+    np.testing.assert_array_equal(dsts[2], payloads[2])
+    assert store.stats().tier("host").blocks == 0  # gone with the lease
+    store.check_integrity()
