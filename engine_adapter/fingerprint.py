@@ -11,6 +11,10 @@ A fine-tune, merged LoRA adapters included, changes nearly every element of the 
 touches, so the samples catch it. A change confined to elements between the samples would not be
 caught; a caller that needs certainty passes its own ``weights_hash`` (a checkpoint revision, a
 hash of the files) to ``Engine`` or ``namespace_for``.
+
+Cost: two small gathers per tensor and one copy to the host. 45,000 tensors (DeepSeek-V3 with
+its experts as separate tensors has about that many) took 2.0 s on this machine's CPU; on a GPU
+it is a few kernel launches per tensor (not measured there).
 """
 
 from __future__ import annotations
