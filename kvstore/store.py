@@ -231,12 +231,16 @@ class TieredStore(PlacementMixin):
         return len(keys)
 
     def load_layer(self, ns_id: bytes, block_hash: bytes, layer: int, dst) -> str | None:
-        """Copy one layer of one block into ``dst``; returns the serving tier's name or None."""
+        """Copy one layer of one block into ``dst``; returns the serving tier's name or None (a
+        block deleted meanwhile is None too: this call carries no lease to prove its reader)."""
         spec = self.spec(ns_id)
         _check_hashes([block_hash])
         spec.layer_range(layer)
         view = byte_view(dst, writable=True)
         check_size(view, spec.layer_bytes, "layer destination buffer")
+        with self._lock:
+            if not self._readable_run([ns_id + block_hash], None):
+                return None
         tier = self._load_one(ns_id + block_hash, view, layer, 1)
         return None if tier is None else self.tiers[tier].name
 

@@ -252,6 +252,7 @@ def test_a_deleted_but_leased_block_is_loaded_only_by_its_lease_holder(make_stor
     store.delete_namespace(ns_id)
     stranger, _ = load_all(store, ns_id, spec, chain[:3])  # no lease: as if it had never been stored
     assert stranger.loaded_blocks == 0
+    assert store.load_layer(ns_id, chain[0], 0, np.zeros(spec.layer_bytes, np.uint8)) is None
     holder, dsts = load_all(store, ns_id, spec, chain[:3], lease_id=hit.lease_id)
     assert holder.loaded_blocks == 3
     np.testing.assert_array_equal(dsts[2], payloads[2])
