@@ -103,4 +103,12 @@ class KVConnector(ABC):
 
     @abstractmethod
     def flush(self) -> None:
-        """Wait until every ``save`` so far has been copied out of the engine's pages."""
+        """Wait until every ``save`` so far has reached the store (tests, demos, shutdown: the
+        engine itself never waits for the store)."""
+
+    def wait_copied(self) -> None:
+        """Wait until every ``save`` so far has been copied out of the engine's pages, so they can
+        be reused; the engine calls it before it releases a finished request's pages. Default:
+        ``flush``. A connector whose ``save`` copies before returning overrides it to return at
+        once, which keeps store writes off the engine's loop."""
+        self.flush()

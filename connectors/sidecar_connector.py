@@ -177,6 +177,9 @@ class SidecarConnector(KVConnector):
     def flush(self) -> None:
         self._saves.flush()
 
+    def wait_copied(self) -> None:
+        """Nothing to wait for: ``save`` gathers the pages into its own buffers before returning."""
+
     def close(self) -> None:
         self._saves.close()
         self._reports.shutdown(wait=True)

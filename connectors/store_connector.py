@@ -114,6 +114,9 @@ class StoreConnector(KVConnector):
     def flush(self) -> None:
         self._saves.flush()
 
+    def wait_copied(self) -> None:
+        """Nothing to wait for: ``save`` gathers the pages into its own buffers before returning."""
+
     def close(self) -> None:
         self._saves.close()
 

@@ -48,7 +48,7 @@ class BlockManager:
             raise ValueError(f"namespace block_size {namespace.block_size} != pool page_size {pool.page_size}")
         self.pool, self.namespace, self.dtype, self.connector = pool, namespace, dtype, connector
         self.block_size = pool.page_size
-        self._saves_unflushed = False
+        self._saves_uncopied = False
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -124,7 +124,7 @@ class BlockManager:
         if self.connector is not None:
             self.connector.save(seq.request_id, seq.block_hashes[first:end], seq.block_table[first:end],
                                 self.pool, self._parent(seq, first))
-            self._saves_unflushed = True
+            self._saves_uncopied = True
 
     def prefill_done(self, seq: Sequence) -> None:
         """Tell the connector what the prefill of ``seq`` loaded and computed (for its metrics)."""
@@ -137,9 +137,9 @@ class BlockManager:
         if seq.load is not None:
             self.abort_load(seq)
         if self.connector is not None:
-            if self._saves_unflushed:  # saved pages must be copied out before they can be reused
-                self.connector.flush()
-                self._saves_unflushed = False
+            if self._saves_uncopied:  # saved pages must be copied out before they can be reused
+                self.connector.wait_copied()
+                self._saves_uncopied = False
             self.connector.release(seq.request_id)
         self.pool.release(seq.block_table)
         seq.block_table, seq.cache, seq.committed_blocks = [], None, 0

@@ -9,6 +9,7 @@ only the suffix and matches a cold run; a corrupt block on disk turns into recom
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import torch
@@ -152,4 +153,31 @@ def test_on_cuda_a_prefix_from_host_then_from_disk_gives_the_cold_tokens(v32, tm
     [out] = engine(store)[0].run([Request(prompt, NEW)])
     assert out.stats.connector_hit_tokens == 40 and [list(out.output_ids)] == cold
     assert store.stats().tier("disk").loaded_blocks >= 5
+    store.close()
+
+
+def test_a_finished_request_does_not_wait_for_its_saves_to_reach_the_store(v3, tmp_path):
+    """The engine releases a request's pages once its saves are copied out of them, not once the
+    store has written them: a slow store must not stall the engine's loop."""
+    model = v3.ours
+    store = open_store(tmp_path)
+    producer, _, connector = engine_over(model, store)
+    release, written = threading.Event(), threading.Event()
+    real_put = store.put
+
+    def slow_put(*args, **kwargs):
+        release.wait(10)  # the test lets it go only after the engine has returned
+        result = real_put(*args, **kwargs)
+        written.set()
+        return result
+
+    store.put = slow_put
+    try:
+        [out] = producer.run([Request(prompt_ids(45, seed=33), NEW)])
+        assert not written.is_set(), "the engine waited for the store to write its saves"
+        assert len(out.output_ids) == NEW
+    finally:
+        release.set()
+    connector.flush()  # what a caller that needs the blocks stored waits for
+    assert written.is_set() and store.stats().stored_blocks >= 5
     store.close()
