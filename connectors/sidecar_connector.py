@@ -155,7 +155,10 @@ class SidecarConnector(KVConnector):
                 scatter_layer(self.spec, pool, layer, page, payload)
 
     def report_prefill(self, request_id: str, saved_tokens: int, computed_tokens: int) -> None:
-        self._reports.submit(self._report, saved_tokens, computed_tokens)
+        try:
+            self._reports.submit(self._report, saved_tokens, computed_tokens)
+        except RuntimeError:  # closed: a report is metrics only, never worth an engine error
+            log.debug("prefill report after close dropped")
 
     def _report(self, saved_tokens: int, computed_tokens: int) -> None:
         try:

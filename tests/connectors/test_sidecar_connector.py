@@ -270,3 +270,10 @@ def test_configuration_alone_picks_the_connector(make_store, sidecars, tmp_path)
                                                 "KVSTORE_DISK_CAPACITY": "8MiB"})
     assert isinstance(owning, OwningStoreConnector)
     owning.close()
+
+
+def test_a_prefill_report_after_close_is_dropped_not_raised(make_store, sidecars):
+    sidecar = sidecars(make_store())
+    connector = SidecarConnector(sidecar.target, NS)
+    connector.close()
+    connector.report_prefill("late", 64, 0)  # an engine finishing a request during shutdown
