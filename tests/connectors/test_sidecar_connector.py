@@ -272,8 +272,10 @@ def test_configuration_alone_picks_the_connector(make_store, sidecars, tmp_path)
     owning.close()
 
 
-def test_a_prefill_report_after_close_is_dropped_not_raised(make_store, sidecars):
+def test_a_prefill_report_after_close_is_dropped_not_raised(make_store, sidecars, caplog):
     sidecar = sidecars(make_store())
     connector = SidecarConnector(sidecar.target, NS)
     connector.close()
-    connector.report_prefill("late", 64, 0)  # an engine finishing a request during shutdown
+    with caplog.at_level(logging.DEBUG, logger="connectors.sidecar_connector"):
+        connector.report_prefill("late", 64, 0)  # an engine finishing a request during shutdown
+    assert "prefill report after close dropped" in caplog.text
