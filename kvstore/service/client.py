@@ -157,8 +157,10 @@ class KVStoreClient:
         Host-tier blocks are copied from the mapped segment (same host) or streamed by the data
         plane (another host), the rest of the hit comes through Get; blocks past the hit are not
         tried. ``verify`` checks each copied block's per-layer checksums (a mismatch sends that
-        block and the rest through Get). If the lease expired before the copies were done, they
-        are discarded and every block comes through Get.
+        block and the rest through Get, and a granted block that comes back from Get is checked
+        against the same checksums: the result stops before the first block that still fails, a
+        miss). If the lease expired before the copies were done, they are discarded and every
+        block comes through Get.
         """
         if len(dsts) != len(block_hashes):
             raise InvalidRequest(f"{len(block_hashes)} block hashes but {len(dsts)} destination buffers")
@@ -171,6 +173,8 @@ class KVStoreClient:
                               len(views))
             copied = self._copy_slots(grant, views, verify)
             tail = self._load_batched(ns_id, block_hashes[copied : grant.hit_blocks], views[copied : grant.hit_blocks])
+            if verify:
+                tail = tail[: _verified_run(grant, views, copied, len(tail))]
         except BaseException:
             self._release_if_held(grant.lease_id)
             raise
@@ -400,6 +404,16 @@ def _ca_from_env() -> bytes | None:
             return f.read()
     except OSError as exc:
         raise InvalidRequest(f"cannot read KVSTORE_TLS_CA={path!r}: {exc.strerror}") from None
+
+
+def _verified_run(grant: SlotGrant, views: Sequence, first: int, count: int) -> int:
+    """How many of ``views[first : first + count]`` (blocks Get served) match the checksums of
+    their slots in ``grant``, stopping at the first that does not. Blocks past the slots were not
+    on the host tier, and the tier that served them verified them."""
+    for i in range(first, min(first + count, len(grant.slots))):
+        if not layers_match(views[i], grant.slots[i].layer_checksums):
+            return i - first
+    return count
 
 
 def _one_size(views, what: str) -> int:

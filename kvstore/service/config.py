@@ -16,7 +16,8 @@ Flags override the environment, the environment overrides the embedded defaults:
     KVSTORE_SHUTDOWN_GRACE_S=10           how long in-flight calls may finish after SIGTERM
     KVSTORE_MAX_LOOKUP_BLOCKS=16384       and the other ServiceLimits fields (kvstore.service.limits):
     KVSTORE_MAX_TRANSFER_BLOCKS=32        KVSTORE_MAX_CHUNK_BYTES=1MiB, KVSTORE_MAX_MESSAGE_BYTES=4MiB,
-                                          KVSTORE_MAX_CONCURRENT_TRANSFERS=16
+                                          KVSTORE_MAX_CONCURRENT_TRANSFERS=16,
+                                          KVSTORE_STREAM_IDLE_TIMEOUT_S=30 (seconds), ...
 
 All three addresses default to loopback. Beyond loopback the sidecar refuses to start without a bearer
 token, and without TLS for gRPC (kvstore.service.security).
@@ -94,8 +95,8 @@ class ServeConfig:
             values["staging_bytes"] = parse_size(env[ENV_PREFIX + "STAGING_BYTES"])
         if ENV_PREFIX + "SHUTDOWN_GRACE_S" in env:
             values["shutdown_grace_s"] = _seconds(env[ENV_PREFIX + "SHUTDOWN_GRACE_S"])
-        limits = {f.name: parse_size(env[key]) for f in fields(ServiceLimits)
-                  if (key := ENV_PREFIX + f.name.upper()) in env}
+        limits = {f.name: _seconds(env[key]) if f.type == "float" else parse_size(env[key])
+                  for f in fields(ServiceLimits) if (key := ENV_PREFIX + f.name.upper()) in env}
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(limits=ServiceLimits(**limits), **values)
 

@@ -11,6 +11,9 @@ caller can tell which one to split around or raise. Defaults, and what they boun
     max_message_bytes         4 MiB   any one message, enforced by gRPC itself (its own message)
     max_streams_per_client    8       Get and Put streams one client runs at once
     max_leases_per_client     1024    leases (Lookup, GetSlots) one client holds at once
+    max_reservations_per_client 8     staging reservations (ReserveSlots) one client holds at once
+    stream_idle_timeout_s     30.0    seconds a Get or Put stream waits on its client for the next
+                                      message (or to take one) before it fails DEADLINE_EXCEEDED
 
 A client is what its ``kvstore-client`` metadata names (``KVStoreClient`` sends a random id per
 instance), else its connection's peer address.
@@ -19,6 +22,8 @@ instance), else its connection's peer address.
 from __future__ import annotations
 
 import collections
+import heapq
+import math
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -33,6 +38,10 @@ class LimitExceeded(KVStoreError):
     """A call asked for more than a ``ServiceLimits`` field allows (backpressure at the edge)."""
 
 
+class StreamIdle(KVStoreError):
+    """A stream waited on its client longer than ``stream_idle_timeout_s`` (DEADLINE_EXCEEDED)."""
+
+
 @dataclass(frozen=True)
 class ServiceLimits:
     max_lookup_blocks: int = 16384
@@ -42,11 +51,13 @@ class ServiceLimits:
     max_message_bytes: int = 4 << 20
     max_streams_per_client: int = 8
     max_leases_per_client: int = 1024
+    max_reservations_per_client: int = 8
+    stream_idle_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
-            if value <= 0:
-                raise InvalidRequest(f"{name} must be positive, got {value}")
+            if not (value > 0 and math.isfinite(value)):
+                raise InvalidRequest(f"{name} must be positive and finite, got {value}")
         if self.max_chunk_bytes + MESSAGE_OVERHEAD_BYTES > self.max_message_bytes:
             raise InvalidRequest(f"max_message_bytes ({self.max_message_bytes}) must exceed max_chunk_bytes "
                                  f"({self.max_chunk_bytes}) by at least {MESSAGE_OVERHEAD_BYTES}")
@@ -102,14 +113,19 @@ class TransferSlots:
 class ClientLeases:
     """The leases each client holds, so one client cannot take every lease the store grants.
 
-    A lease counts until its client releases it (or a Get ends it) or its TTL passes. Used from
-    the server's event loop only (not thread-safe).
+    A lease counts until its client releases it (or a Get ends it) or its TTL passes. Expired
+    leases are forgotten for every client, also those that never call again: each ``add`` and
+    ``check`` drops up to ``PURGE_PER_CALL`` of them, oldest deadline first. Used from the
+    server's event loop only (not thread-safe).
     """
+
+    PURGE_PER_CALL = 16  # more than the one lease an add brings: the backlog only shrinks
 
     def __init__(self, per_client: int):
         self.per_client = per_client
         self._expiry: dict[str, dict[int, float]] = collections.defaultdict(dict)  # client -> lease -> deadline
         self._owner: dict[int, str] = {}
+        self._deadlines: list[tuple[float, int]] = []  # heap of (deadline, lease); stale once dropped
 
     def check_owner(self, client: str, lease_id: int) -> None:
         """Raise ``NotPermitted`` if another client holds ``lease_id`` (unknown ids pass: the store
@@ -120,13 +136,19 @@ class ClientLeases:
 
     def check(self, client: str) -> None:
         """Raise ``LimitExceeded`` if ``client`` may not take another lease now."""
+        self._purge(time.monotonic())
         if self.held(client) >= self.per_client:
             raise LimitExceeded(f"max_leases_per_client={self.per_client}: this client holds that many leases; "
                                 "release some (or let them expire) before asking for more")
 
     def add(self, client: str, lease_id: int, ttl_s: float) -> None:
-        self._expiry[client][lease_id] = time.monotonic() + ttl_s
+        now = time.monotonic()
+        self._purge(now)
+        self._expiry[client][lease_id] = now + ttl_s
         self._owner[lease_id] = client
+        heapq.heappush(self._deadlines, (now + ttl_s, lease_id))
+        if len(self._deadlines) > 2 * len(self._owner) + self.PURGE_PER_CALL:
+            self._compact()
 
     def drop(self, lease_id: int) -> None:
         client = self._owner.pop(lease_id, None)
@@ -143,3 +165,18 @@ class ClientLeases:
         for lease_id in [lease for lease, deadline in leases.items() if deadline <= now]:
             self.drop(lease_id)
         return len(self._expiry.get(client, ()))
+
+    def _purge(self, now: float) -> None:
+        """Drop up to ``PURGE_PER_CALL`` leases whose deadline passed, whoever holds them."""
+        for _ in range(self.PURGE_PER_CALL):
+            if not self._deadlines or self._deadlines[0][0] > now:
+                return
+            _, lease_id = heapq.heappop(self._deadlines)
+            client = self._owner.get(lease_id)
+            if client is not None and self._expiry[client][lease_id] <= now:
+                self.drop(lease_id)
+
+    def _compact(self) -> None:
+        """Rebuild the heap from the leases still held: released leases leave stale entries behind."""
+        self._deadlines = [(deadline, lease) for leases in self._expiry.values() for lease, deadline in leases.items()]
+        heapq.heapify(self._deadlines)

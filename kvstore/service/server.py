@@ -48,6 +48,18 @@ from kvstore.tiers.shm_segment import remove_stale_segments
 
 log = logging.getLogger(__name__)
 
+# A client host that vanishes (power loss, partition) sends no FIN, and its calls would wait on it
+# for ever: the server pings every connection every 30 s, calls or not, and drops one that does
+# not answer within 10 s (its calls are cancelled, their transfer slots and leases freed). Clients
+# may ping too, as often as every 10 s.
+KEEPALIVE_OPTIONS = [
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),  # keep pinging while no data flows: 0 is no cap
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+]
+
 
 async def create_server(address: str, store: TieredStore, limits: ServiceLimits = ServiceLimits(),
                         health: health_aio.HealthServicer | None = None, *, metrics: ServiceMetrics | None = None,
@@ -62,10 +74,7 @@ async def create_server(address: str, store: TieredStore, limits: ServiceLimits 
     ``data_plane``: a started native data plane over the store's host tier, for GetSlots to grant to.
     """
     interceptors = [security.BearerAuthInterceptor(token)] if token else []
-    # Without SO_REUSEPORT a second sidecar on this port fails to bind, instead of the kernel
-    # splitting the clients between two stores.
-    options = [*limits.channel_options(), ("grpc.so_reuseport", 0)]
-    server = grpc.aio.server(options=options, interceptors=interceptors)
+    server = grpc.aio.server(options=server_options(limits), interceptors=interceptors)
     servicer = KVStoreServicer(store, limits, metrics, staging, durable_puts, data_plane)
     if data_plane is not None:
         servicer.metrics.watch_data_plane(data_plane)
@@ -82,6 +91,13 @@ async def create_server(address: str, store: TieredStore, limits: ServiceLimits 
         raise InvalidRequest(f"cannot listen on {address!r}: {_bind_failure(address)}; "
                              "give another --address HOST:PORT (port 0: any free one) or unix:PATH") from None
     return server, 0 if address.startswith("unix:") else port
+
+
+def server_options(limits: ServiceLimits) -> list[tuple[str, int]]:
+    """The gRPC server's options: message sizes, keepalive, and no SO_REUSEPORT (without it a
+    second sidecar on this port fails to bind, instead of the kernel splitting the clients
+    between two stores)."""
+    return [*limits.channel_options(), *KEEPALIVE_OPTIONS, ("grpc.so_reuseport", 0)]
 
 
 def _bind_failure(address: str) -> str:

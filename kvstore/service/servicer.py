@@ -12,9 +12,9 @@ the ``kvstore-client`` metadata a client sends (else the connection's peer).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
-import inspect
 import time
 
 import grpc
@@ -25,7 +25,7 @@ from kvstore.service import shm, wire
 from kvstore.service.chunk_codec import encode_chunk
 from kvstore.service.chunks import BlockAssembler, check_block_bytes, iter_chunks
 from kvstore.service.dataplane import DataPlaneServer
-from kvstore.service.limits import ClientLeases, LimitExceeded, ServiceLimits, TransferSlots
+from kvstore.service.limits import ClientLeases, LimitExceeded, ServiceLimits, StreamIdle, TransferSlots
 from kvstore.service.metrics import ServiceMetrics
 from kvstore.service.staging import DEFAULT_RESERVATION_TTL_S, StagingArea
 from kvstore.service.v1 import kvstore_pb2 as pb
@@ -39,6 +39,7 @@ STATUS_CODES: dict[type, grpc.StatusCode] = {
     UnknownNamespace: grpc.StatusCode.NOT_FOUND,
     UnknownLease: grpc.StatusCode.NOT_FOUND,
     LimitExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    StreamIdle: grpc.StatusCode.DEADLINE_EXCEEDED,
     NotPermitted: grpc.StatusCode.PERMISSION_DENIED,
     StoreClosed: grpc.StatusCode.UNAVAILABLE,  # the sidecar is shutting down: retry elsewhere or later
     KVStoreError: grpc.StatusCode.FAILED_PRECONDITION,
@@ -50,9 +51,11 @@ STREAM_GROUP_BYTES = 4 << 20  # a streamed Get loads about this much ahead of wh
 GRANT_MARGIN_S = 0.05  # a data-plane grant ends this long before its lease (same monotonic clock)
 
 
-def _load_group(store: TieredStore, ns_id: bytes, block_bytes: int, hashes: list[bytes]):
+def _load_group(store: TieredStore, ns_id: bytes, block_bytes: int, hashes: list[bytes],
+                lease_id: int | None = None):
+    """``store.load`` of ``hashes`` into new buffers (ending ``lease_id``, if given); the result and buffers."""
     dsts = [np.empty(block_bytes, np.uint8) for _ in hashes]  # [block_bytes] uint8 each
-    return store.load(ns_id, hashes, dsts), dsts
+    return store.load(ns_id, hashes, dsts, lease_id), dsts
 
 
 def _end_lease(store: TieredStore, lease_id: int) -> None:
@@ -67,24 +70,15 @@ def status_code(exc: KVStoreError) -> grpc.StatusCode:
 
 
 def translate_errors(method):
-    """Abort the call with the status code of a ``KVStoreError``; for unary and streaming handlers."""
-    if inspect.isasyncgenfunction(method):
-        @functools.wraps(method)
-        async def streaming(self, request, context):
-            try:
-                async for response in method(self, request, context):
-                    yield response
-            except KVStoreError as exc:
-                await self._abort(context, method.__name__, exc)
-        return streaming
-
+    """Abort the call with the status code of a ``KVStoreError``; for coroutine handlers (streams
+    write through ``context.write``)."""
     @functools.wraps(method)
-    async def unary(self, request, context):
+    async def translated(self, request, context):
         try:
             return await method(self, request, context)
         except KVStoreError as exc:
             await self._abort(context, method.__name__, exc)
-    return unary
+    return translated
 
 
 def client_of(context) -> str:
@@ -179,57 +173,81 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             spec = self._store.spec(request.namespace_id)
             check_block_bytes(request.block_bytes or spec.block_bytes, spec.block_bytes, "destination buffer",
                               len(hashes))
-            if request.stream_as_loaded:
-                async for message in self._get_as_loaded(request, hashes, spec.block_bytes):
-                    yield message
-                return
-            dsts = [np.empty(spec.block_bytes, np.uint8) for _ in hashes]  # [block_bytes] uint8 each
-            lease_id = wire.optional(request, "lease_id")
-            if lease_id is not None:
-                self._lease_ended(lease_id)  # the load ends it in the store
-            started = time.perf_counter()
-            result = await asyncio.to_thread(self._store.load, request.namespace_id, hashes, dsts, lease_id)
-            self.metrics.load(request.namespace_id, result.tiers, "bytes", time.perf_counter() - started)
-            yield pb.GetResponse(header=pb.GetHeader(requested_blocks=len(hashes), tiers=result.tiers,
-                                                     block_bytes=spec.block_bytes))
-            chunk_bytes = self._limits.chunk_bytes(request.chunk_bytes)
-            for index, offset, data in iter_chunks(dsts[: result.loaded_blocks], chunk_bytes):
-                yield encode_chunk(index, offset, data)  # a serialized GetResponse (see add_to_server)
+            messages = (self._get_as_loaded if request.stream_as_loaded else self._get_whole)(
+                request, hashes, spec.block_bytes)
+            async with contextlib.aclosing(messages):  # its lease ends now, also when the client went away
+                async for message in messages:
+                    await self._with_client(context.write(message), "took no Get message")
+
+    async def _get_whole(self, request, hashes: list[bytes], block_bytes: int):
+        """Get's messages when every block is loaded before the first is sent (one store call)."""
+        dsts = [np.empty(block_bytes, np.uint8) for _ in hashes]  # [block_bytes] uint8 each
+        lease_id = wire.optional(request, "lease_id")
+        if lease_id is not None:
+            self._lease_ended(lease_id)  # the load ends it in the store
+        started = time.perf_counter()
+        result = await asyncio.to_thread(self._store.load, request.namespace_id, hashes, dsts, lease_id)
+        self.metrics.load(request.namespace_id, result.tiers, "bytes", time.perf_counter() - started)
+        yield pb.GetResponse(header=pb.GetHeader(requested_blocks=len(hashes), tiers=result.tiers,
+                                                 block_bytes=block_bytes))
+        chunk_bytes = self._limits.chunk_bytes(request.chunk_bytes)
+        for index, offset, data in iter_chunks(dsts[: result.loaded_blocks], chunk_bytes):
+            yield encode_chunk(index, offset, data)  # a serialized GetResponse (see add_to_server)
 
     async def _get_as_loaded(self, request, hashes: list[bytes], block_bytes: int):
-        """Get in groups of about STREAM_GROUP_BYTES: group i+1 loads (on a thread) while group i is
-        sent; the stream stops after the first group that loads short. The client's lease pins
-        every block until the last group is loaded, then ends."""
-        lease_id = wire.optional(request, "lease_id")
-        per_group = max(1, STREAM_GROUP_BYTES // block_bytes)
-        groups = [hashes[i : i + per_group] for i in range(0, len(hashes), per_group)]
+        """Get's messages as the groups load (``_loaded_groups``): a header per group, then its chunks."""
         chunk_bytes = self._limits.chunk_bytes(request.chunk_bytes)
-        load = functools.partial(_load_group, self._store, request.namespace_id, block_bytes)
-        started, tiers, first_index, pending = time.perf_counter(), [], 0, None
+        started, tiers, first_index = time.perf_counter(), [], 0
+        groups = self._loaded_groups(request.namespace_id, hashes, block_bytes, wire.optional(request, "lease_id"))
         try:
-            if not groups:
-                yield pb.GetResponse(header=pb.GetHeader(requested_blocks=0, block_bytes=block_bytes))
-                return
-            pending = asyncio.ensure_future(asyncio.to_thread(load, groups[0]))
+            async with contextlib.aclosing(groups):
+                async for result, dsts in groups:
+                    tiers += result.tiers
+                    yield pb.GetResponse(header=pb.GetHeader(requested_blocks=len(hashes), tiers=result.tiers,
+                                                             block_bytes=block_bytes))
+                    for index, offset, data in iter_chunks(dsts[: result.loaded_blocks], chunk_bytes):
+                        yield encode_chunk(first_index + index, offset, data)
+                    first_index += result.loaded_blocks
+        finally:
+            self.metrics.load(request.namespace_id, tiers, "bytes", time.perf_counter() - started)
+
+    async def _loaded_groups(self, ns_id: bytes, hashes: list[bytes], block_bytes: int, lease_id: int | None):
+        """``(LoadResult, dsts)`` per group of about STREAM_GROUP_BYTES, in order: group i+1 loads (on a
+        thread) while group i is sent; stops after the first group that loads short (one empty
+        group for no hashes).
+
+        The lease pins every block meanwhile, but the groups load without it: ``store.load`` ends
+        the lease it is given. A block deleted while leased is readable only with the lease, so
+        after a short group the rest (from its first missing block) loads once more, in one call
+        that presents the lease and ends it. Otherwise the lease is released after the last group
+        (or when the stream is closed early): it ends exactly once either way.
+        """
+        per_group = max(1, STREAM_GROUP_BYTES // block_bytes)
+        groups = [hashes[i : i + per_group] for i in range(0, len(hashes), per_group)] or [[]]
+        load = functools.partial(_load_group, self._store, ns_id, block_bytes)
+        pending, first_index = asyncio.ensure_future(asyncio.to_thread(load, groups[0])), 0
+        try:
             for g in range(len(groups)):
                 result, dsts = await pending
-                more = result.complete and g + 1 < len(groups)
-                pending = asyncio.ensure_future(asyncio.to_thread(load, groups[g + 1])) if more else None
-                tiers += result.tiers
-                yield pb.GetResponse(header=pb.GetHeader(requested_blocks=len(hashes), tiers=result.tiers,
-                                                         block_bytes=block_bytes))
-                for index, offset, data in iter_chunks(dsts[: result.loaded_blocks], chunk_bytes):
-                    yield encode_chunk(first_index + index, offset, data)
-                first_index += result.loaded_blocks
-                if not more:
-                    break
+                pending = None
+                if not result.complete and lease_id is not None:
+                    yield result, dsts
+                    self._lease_ended(lease_id)  # the load below ends it in the store
+                    lease, lease_id = lease_id, None
+                    yield await asyncio.to_thread(load, hashes[first_index + result.loaded_blocks :], lease)
+                    return
+                if result.complete and g + 1 < len(groups):
+                    pending = asyncio.ensure_future(asyncio.to_thread(load, groups[g + 1]))
+                yield result, dsts
+                if pending is None:
+                    return
+                first_index += len(groups[g])
         finally:
             if pending is not None:  # the client went away mid-stream: let the load finish, unread
                 pending.add_done_callback(lambda f: f.cancelled() or f.exception())
             if lease_id is not None:
                 self._lease_ended(lease_id)
                 await asyncio.to_thread(_end_lease, self._store, lease_id)
-            self.metrics.load(request.namespace_id, tiers, "bytes", time.perf_counter() - started)
 
     @translate_errors
     async def GetSlots(self, request, context):
@@ -249,14 +267,14 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     @translate_errors
     async def Put(self, request_iterator, context):
         with self._transfers.hold(client_of(context)):
-            header = wire.put_header(await anext(request_iterator, None))
+            header = wire.put_header(await self._with_client(anext(request_iterator, None), "sent no PutHeader"))
             hashes = list(header.block_hashes)
             self._limits.check_blocks("max_transfer_blocks", len(hashes))
             spec = self._store.spec(header.namespace_id)
             check_block_bytes(header.block_bytes, spec.block_bytes, "block payload", len(hashes))
             assembler = BlockAssembler(len(hashes), spec.block_bytes, self._limits.max_chunk_bytes)
             started = time.perf_counter()
-            async for message in request_iterator:
+            while (message := await self._with_client(anext(request_iterator, None), "sent no chunk")) is not None:
                 chunk = wire.put_chunk(message)
                 assembler.add(chunk.block_index, chunk.offset, chunk.data)
             return await self._put(header.namespace_id, hashes, assembler.finish(), wire.optional(header, "parent"),
@@ -272,7 +290,8 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         ttl_s = request.ttl_s or DEFAULT_RESERVATION_TTL_S
         reservation = await asyncio.to_thread(staging.reserve, request.namespace_id, hashes,
                                               wire.optional(request, "parent"), spec.block_bytes, spec.num_layers,
-                                              ttl_s)
+                                              ttl_s, owner=client_of(context),
+                                              owner_limit=self._limits.max_reservations_per_client)
         return wire.reservation_to_proto(reservation, staging.segment_path, ttl_s)
 
     @translate_errors
@@ -280,7 +299,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         staging = self._staging_area()
         started = time.perf_counter()
         reservation, payloads = await asyncio.to_thread(staging.take, request.reservation_id,
-                                                        wire.commit_checksums(request))
+                                                        wire.commit_checksums(request), client_of(context))
         try:
             return await self._put(reservation.ns_id, list(reservation.block_hashes), payloads, reservation.parent,
                                    started)
@@ -298,6 +317,18 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             await asyncio.to_thread(_end_lease, self._store, grant.lease_id)
             raise
         return dataclasses.replace(grant, data_grant=token, data_port=self._data_plane.port) if token else grant
+
+    async def _with_client(self, awaitable, what: str):
+        """``await awaitable`` (a read from or a write to the client's stream); ``StreamIdle`` when it
+        takes longer than ``stream_idle_timeout_s``: a stalled or vanished client frees its
+        transfer slot."""
+        timeout_s = self._limits.stream_idle_timeout_s
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await awaitable
+        except TimeoutError:
+            raise StreamIdle(f"stream_idle_timeout_s={timeout_s:g}: the client {what} for that long; the stream "
+                             "is ended (send or read without pausing, or split the transfer)") from None
 
     def _lease_ended(self, lease_id: int) -> None:
         """Forget ``lease_id``; call it before the store ends the lease (the data plane's revoke

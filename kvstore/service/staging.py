@@ -10,14 +10,23 @@ client computed from its own buffer: a block torn by a crashed or racing writer 
 stored. The server verifies a private copy (``StagingArea.take``) rather than the slot itself, so
 a client that keeps writing into the slot after committing cannot change what was verified.
 
-The staging segment is separate from the host tier's arena (which clients map read-only), so a
-client can never write into a block the store serves. It is carved by the same slab allocator;
-a reservation not committed within its TTL lapses and its slots are reused.
+The staging segment is separate from the host tier's arena (which the client library maps
+read-only), so a client that writes only where the protocol lets it never writes into a block the
+store serves. The arena file itself is the sidecar's user's (mode 0600): a process of that same
+user could still open it for writing, so run the sidecar under a user of its own where clients
+are not trusted. It is carved by the same slab allocator;
+a reservation not committed within its TTL (at most ``MAX_RESERVATION_TTL_S``) lapses and its
+slots are reused.
+
+A reservation belongs to the client that made it (its ``owner``): its id is random, and a commit
+from anyone else is answered as for an unknown id, so another client can neither guess it nor
+learn that it exists. ``owner_limit`` caps the reservations one owner holds at once.
 """
 
 from __future__ import annotations
 
-import itertools
+import collections
+import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -33,6 +42,7 @@ from kvstore.tiers.slab import SlabAllocator
 
 DEFAULT_STAGING_BYTES = 256 << 20
 DEFAULT_RESERVATION_TTL_S = 30.0
+MAX_RESERVATION_TTL_S = 600.0  # a reservation covers one copy into its slots, not storage
 
 
 class StagingFull(LimitExceeded):
@@ -49,6 +59,7 @@ class Reservation:
     num_layers: int
     offsets: tuple[int, ...]
     expires_s: float
+    owner: str = ""  # the client that reserved: the only one that may commit
 
 
 class StagingArea:
@@ -62,8 +73,8 @@ class StagingArea:
         self.segment_path = self._segment.path
         self._arena = np.frombuffer(self._segment.mmap, np.uint8)  # [capacity] bytes
         self._reservations: dict[int, Reservation] = {}
+        self._held: collections.Counter[str] = collections.Counter()  # owner -> reservations now
         self._spare: dict[int, list[np.ndarray]] = {}  # recycled private copies by size: no page faults
-        self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._closed = False
         self.lapsed = 0  # reservations dropped by TTL, never committed
@@ -73,49 +84,71 @@ class StagingArea:
         return self._slab.capacity_bytes
 
     def reserve(self, ns_id: bytes, block_hashes: tuple[bytes, ...], parent: bytes | None, block_bytes: int,
-                num_layers: int, ttl_s: float) -> Reservation:
-        """Slots for ``len(block_hashes)`` payloads of ``block_bytes``; raises ``StagingFull`` if none fit."""
+                num_layers: int, ttl_s: float, *, owner: str = "", owner_limit: int | None = None) -> Reservation:
+        """Slots for ``len(block_hashes)`` payloads of ``block_bytes``, held for ``owner`` alone.
+
+        Raises ``InvalidRequest`` for a ``ttl_s`` outside (0, MAX_RESERVATION_TTL_S], ``LimitExceeded``
+        when ``owner`` already holds ``owner_limit`` reservations, ``StagingFull`` if the slots do not fit.
+        """
         if not block_hashes:
             raise InvalidRequest("ReserveSlots needs at least one block hash")
-        if ttl_s <= 0:
-            raise InvalidRequest(f"a reservation's ttl_s must be positive, got {ttl_s}")
+        if not 0 < ttl_s <= MAX_RESERVATION_TTL_S:  # also refuses NaN
+            raise InvalidRequest(f"a reservation's ttl_s must be in (0, {MAX_RESERVATION_TTL_S:g}] seconds, got "
+                                 f"{ttl_s}: it covers one copy into the slots (0 or unset: the default "
+                                 f"{DEFAULT_RESERVATION_TTL_S:g})")
         if not self._slab.fits_in_page(block_bytes):
             raise InvalidRequest(f"a {block_bytes}-byte block does not fit a {self._slab.page_bytes}-byte "
                                  "staging page; use Put")
         with self._lock:
             self._check_open()
             self._lapse_expired()
-            offsets: list[int] = []
-            for _ in block_hashes:
-                offset = self._slab.allocate(block_bytes)
-                if offset is None:
-                    for taken in offsets:
-                        self._slab.free(taken)
-                    raise StagingFull(f"staging_bytes={self.capacity_bytes}: the staging area has no room for "
-                                      f"{len(block_hashes)} blocks of {block_bytes} bytes now; retry or use Put")
-                offsets.append(offset)
-            reservation = Reservation(next(self._ids), ns_id, block_hashes, parent, block_bytes, num_layers,
-                                      tuple(offsets), time.monotonic() + ttl_s)
+            if owner_limit is not None and self._held[owner] >= owner_limit:
+                raise LimitExceeded(f"max_reservations_per_client={owner_limit}: this client holds that many "
+                                    "staging reservations; commit them (or let them lapse) before reserving more")
+            reservation = Reservation(self._new_id(), ns_id, block_hashes, parent, block_bytes, num_layers,
+                                      self._allocate(len(block_hashes), block_bytes), time.monotonic() + ttl_s, owner)
             self._reservations[reservation.reservation_id] = reservation
+            self._held[owner] += 1
             return reservation
 
-    def take(self, reservation_id: int, checksums: list[tuple[int, ...]]) -> tuple[Reservation, list[np.ndarray]]:
-        """End the reservation: private copies of its slots, each verified against ``checksums``.
+    def _allocate(self, count: int, block_bytes: int) -> tuple[int, ...]:
+        """Offsets of ``count`` free slots, or ``StagingFull`` (none taken). Caller holds the lock."""
+        offsets: list[int] = []
+        for _ in range(count):
+            offset = self._slab.allocate(block_bytes)
+            if offset is None:
+                for taken in offsets:
+                    self._slab.free(taken)
+                raise StagingFull(f"staging_bytes={self.capacity_bytes}: the staging area has no room for "
+                                  f"{count} blocks of {block_bytes} bytes now; retry or use Put")
+            offsets.append(offset)
+        return tuple(offsets)
 
-        Raises ``UnknownLease`` for an unknown or lapsed reservation and ``InvalidRequest`` when a
-        slot's bytes do not match its checksums (or their count is wrong); the slots are freed in
-        every case, so a failed commit must reserve again.
+    def _new_id(self) -> int:
+        """A random, unused, non-zero 63-bit id: not guessable from one's own. Caller holds the lock."""
+        while True:
+            reservation_id = secrets.randbits(63)
+            if reservation_id and reservation_id not in self._reservations:
+                return reservation_id
+
+    def take(self, reservation_id: int, checksums: list[tuple[int, ...]],
+             owner: str = "") -> tuple[Reservation, list[np.ndarray]]:
+        """End ``owner``'s reservation: private copies of its slots, each verified against ``checksums``.
+
+        Raises ``UnknownLease`` for an unknown or lapsed reservation, or one of another owner (the
+        same answer: that one is left as it is), and ``InvalidRequest`` when a slot's bytes do not
+        match its checksums (or their count is wrong); the owner's slots are freed in every case,
+        so a failed commit must reserve again.
         """
         with self._lock:
             self._check_open()
             self._lapse_expired()
-            reservation = self._reservations.pop(reservation_id, None)
-            if reservation is None:
+            reservation = self._reservations.get(reservation_id)
+            if reservation is None or reservation.owner != owner:
                 raise UnknownLease(f"reservation {reservation_id} is unknown or lapsed (reservations last "
                                    "their ttl_s); reserve again")
             copies = [self._copy_out(o, reservation.block_bytes) for o in reservation.offsets]
-            for offset in reservation.offsets:
-                self._slab.free(offset)
+            self._end(reservation_id)
         try:
             _verify(reservation, copies, checksums)
         except InvalidRequest:
@@ -148,15 +181,24 @@ class StagingArea:
                 return
             self._closed = True
             self._reservations.clear()
+            self._held.clear()
             self._arena = None
         self._segment.close()
 
     def _lapse_expired(self) -> None:
         now = time.monotonic()
         for reservation_id in [r for r, res in self._reservations.items() if res.expires_s <= now]:
-            for offset in self._reservations.pop(reservation_id).offsets:
-                self._slab.free(offset)
+            self._end(reservation_id)
             self.lapsed += 1
+
+    def _end(self, reservation_id: int) -> None:
+        """Forget a reservation and free its slots. Caller holds the lock."""
+        reservation = self._reservations.pop(reservation_id)
+        for offset in reservation.offsets:
+            self._slab.free(offset)
+        self._held[reservation.owner] -= 1
+        if not self._held[reservation.owner]:
+            del self._held[reservation.owner]
 
     def _check_open(self) -> None:
         if self._closed:

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import grpc
+import numpy as np
 import pytest
 
+from kvstore.keys import namespace_hashes
 from kvstore.service.client import KVStoreClient
 from kvstore.service.limits import ClientLeases, LimitExceeded, ServiceLimits, TransferSlots
+from kvstore.service.v1 import kvstore_pb2 as pb
+from kvstore.service.v1.kvstore_pb2_grpc import KVStoreStub
 from tests.conftest import payloads_for
 
 
@@ -41,6 +46,26 @@ def test_client_leases_count_until_their_ttl_passes():
     assert leases.held("a") == 0
 
 
+def test_client_leases_forget_expired_leases_of_clients_that_never_call_again():
+    leases = ClientLeases(per_client=8)
+    for n in range(100):  # a hundred short-lived clients, gone without releasing
+        leases.add(f"gone-{n}", n, ttl_s=0.01)
+    time.sleep(0.05)
+    leases.check("live")
+    assert len(leases._owner) == 100 - ClientLeases.PURGE_PER_CALL, "bounded work per call"
+    for n in range(10):
+        leases.add("live", 1000 + n, ttl_s=30)
+    assert set(leases._owner) == set(range(1000, 1010)) and list(leases._expiry) == ["live"]
+
+
+def test_client_leases_released_early_leave_no_backlog():
+    leases = ClientLeases(per_client=8)
+    for n in range(1000):
+        leases.add("busy", n, ttl_s=30)
+        leases.drop(n)  # a Get or Release ended it long before its TTL
+    assert len(leases._deadlines) <= 2 + ClientLeases.PURGE_PER_CALL and not leases._owner
+
+
 def test_transfer_slots_refuse_past_the_per_client_and_global_limits():
     slots = TransferSlots(limit=3, per_client=2)
     with slots.hold("a"), slots.hold("a"):
@@ -54,3 +79,71 @@ def test_transfer_slots_refuse_past_the_per_client_and_global_limits():
     assert slots.active == 0
     with slots.hold("a"), slots.hold("a"):
         pass  # all were given back
+
+
+# ---- streams that stall -------------------------------------------------------------------
+
+IDLE = ServiceLimits(stream_idle_timeout_s=1.0, max_concurrent_transfers=1)
+
+
+@pytest.fixture
+def idle_limited(store, start_server, namespace, spec):
+    """A server that allows one stream at a time, idle for 1 s at most; 32 blocks stored."""
+    server = start_server(store, IDLE)
+    hashes = namespace_hashes(namespace, np.arange(32 * namespace.block_size))
+    with KVStoreClient(server.target, timeout_s=10) as client:
+        ns_id = client.register_namespace(namespace)
+        client.put(ns_id, hashes, payloads_for(spec, hashes))
+    return server, ns_id, hashes
+
+
+def loads_now(target: str, ns_id: bytes, hashes, spec) -> bool:
+    """Whether another client's Get gets a transfer slot now."""
+    with KVStoreClient(target, timeout_s=10) as client:
+        try:
+            return client.load(ns_id, hashes[:1], [np.zeros(spec.block_bytes, np.uint8)]).complete
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            return False
+
+
+def test_a_put_that_stalls_after_its_header_fails_deadline_exceeded_and_frees_its_slot(idle_limited, spec):
+    server, ns_id, hashes = idle_limited
+    resume = threading.Event()
+
+    def stalled():
+        yield pb.PutRequest(header=pb.PutHeader(namespace_id=ns_id, block_hashes=hashes[:1],
+                                                block_bytes=spec.block_bytes))
+        resume.wait(30)
+
+    with grpc.insecure_channel(server.target) as channel:
+        put = KVStoreStub(channel).Put.future(stalled(), metadata=[("kvstore-client", "stuck")])
+        try:
+            error = put.exception(10)
+            assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED, "ended by the server, not by our deadline"
+            assert "stream_idle_timeout_s=1: the client sent no chunk" in error.details()
+            assert loads_now(server.target, ns_id, hashes, spec)
+        finally:
+            resume.set()
+
+
+def test_a_get_whose_client_stops_reading_fails_deadline_exceeded_and_ends_its_lease(idle_limited, spec):
+    server, ns_id, hashes = idle_limited
+    # no BDP probing: the flow-control window stays small, so the server's writes block
+    with grpc.insecure_channel(server.target, options=[("grpc.http2.bdp_probe", 0)]) as channel:
+        stub = KVStoreStub(channel)
+        lease_id = stub.Lookup(pb.LookupRequest(namespace_id=ns_id, block_hashes=hashes, lease_ttl_s=60)).lease_id
+        stream = stub.Get(pb.GetRequest(namespace_id=ns_id, block_hashes=hashes, lease_id=lease_id, chunk_bytes=1024,
+                                        stream_as_loaded=True))  # 32 blocks in 288 chunks: ~300 KB
+        next(stream)
+        assert not loads_now(server.target, ns_id, hashes, spec), "the stalled Get holds the only slot"
+        deadline = time.monotonic() + 10
+        while not loads_now(server.target, ns_id, hashes, spec):
+            assert time.monotonic() < deadline, "the stalled Get never gave its slot back"
+            time.sleep(0.1)
+        with pytest.raises(grpc.RpcError) as info:
+            list(stream)
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "stream_idle_timeout_s=1: the client took no Get message" in info.value.details()
+        stats = stub.Stats(pb.StatsRequest())
+        assert stats.leases_active == 0, "its lease ended with it"

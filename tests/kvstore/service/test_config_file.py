@@ -20,11 +20,12 @@ from tests.kvstore.service.test_serve_process import REPO, start_serving
 def test_file_settings_become_the_variables_they_stand_for_and_the_environment_wins(tmp_path):
     config = tmp_path / "kvstore.toml"
     config.write_text('address = "unix:/tmp/k.sock"\ndata_dir = "/srv/kv"\nhost_capacity = "8GiB"\n'
-                      'durable_puts = true\nmax_leases_per_client = 7\n')
+                      'durable_puts = true\nmax_leases_per_client = 7\nstream_idle_timeout_s = 2.5\n')
     environ = layered_environment(str(config), {"KVSTORE_HOST_CAPACITY": "1GiB"})
     serve = ServeConfig.from_env(environ)
     store = StoreConfig.from_env(environ)
     assert (serve.address, serve.durable_puts, serve.limits.max_leases_per_client) == ("unix:/tmp/k.sock", True, 7)
+    assert serve.limits.stream_idle_timeout_s == 2.5, "a float limit keeps its fraction"
     assert store.disk.path == "/srv/kv/disk" and store.host.capacity_bytes == 1 << 30, "the environment wins"
 
 

@@ -16,6 +16,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore.service import dataplane
 from kvstore.service.client import KVStoreClient
+from kvstore.service.limits import ServiceLimits
+from kvstore.service.server import server_options
 from kvstore.store import TieredStore
 from kvstore.tiers.disk import DiskTier
 from tests.conftest import payloads_for
@@ -122,3 +124,10 @@ def test_a_second_sidecar_on_a_taken_port_fails_instead_of_sharing_it(tmp_path):
     assert (second.returncode, second.stdout) == (2, "")
     assert f"kvstore serve: cannot listen on '{address}': address in use;" in second.stderr
     assert "Traceback" not in second.stderr
+
+
+def test_the_server_pings_its_clients_to_find_vanished_hosts():
+    options = dict(server_options(ServiceLimits()))
+    assert 0 < options["grpc.keepalive_time_ms"] <= 60_000 and 0 < options["grpc.keepalive_timeout_ms"] <= 20_000
+    assert options["grpc.http2.max_pings_without_data"] == 0, "pings go on while a stalled stream sends nothing"
+    assert options["grpc.keepalive_permit_without_calls"] == 1

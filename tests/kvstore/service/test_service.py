@@ -160,6 +160,24 @@ def test_load_ends_the_lease(client, namespace, spec, chain):
     assert client.stats().leases_active == 0
 
 
+@pytest.mark.parametrize("deleted", [False, True])
+def test_a_streamed_get_with_the_lease_serves_every_group_even_after_a_delete_and_ends_it_once(
+        client, namespace, spec, chain, monkeypatch, deleted):
+    monkeypatch.setattr(servicer_module, "STREAM_GROUP_BYTES", 2 * spec.block_bytes)  # groups of 2 blocks
+    ns_id = client.register_namespace(namespace)
+    payloads = payloads_for(spec, chain[:5])
+    client.put(ns_id, chain[:5], payloads)
+    hit = client.lookup(ns_id, chain[:7], lease_ttl_s=30)
+    if deleted:  # the blocks stay readable to the lease holder alone
+        assert client.delete_namespace(ns_id) == 5 and client.lookup(ns_id, chain[:5]).hit_blocks == 0
+    dsts = [np.zeros(spec.block_bytes, np.uint8) for _ in range(7)]
+    assert client.load(ns_id, chain[:7], dsts, hit.lease_id).tiers == ("host",) * 5, "every group, up to the miss"
+    assert all(np.array_equal(d, p) for d, p in zip(dsts, payloads))
+    assert client.stats().leases_active == 0
+    assert rpc_error(client.release, hit.lease_id).code() == Code.NOT_FOUND, "the stream ended the lease"
+    assert client.stats().tier("host").blocks == (0 if deleted else 5), "deleted blocks go once unleased"
+
+
 # ---- caller mistakes ------------------------------------------------------------------------
 
 def test_wrong_payload_size_is_invalid_and_stores_nothing(client, namespace, spec, chain):

@@ -144,3 +144,20 @@ def test_wrong_buffer_size_is_invalid_and_releases_the_lease(client, namespace, 
     with pytest.raises(Exception, match="destination buffer has 9215 bytes, expected exactly 9216"):
         client.load_shm(ns_id, chain[:1], [np.zeros(spec.block_bytes - 1, np.uint8)])
     assert client.stats().leases_active == 0
+
+
+def test_verify_never_reports_a_block_that_still_fails_its_checksums_after_get(client, namespace, spec, chain):
+    ns_id = client.register_namespace(namespace)
+    payloads = payloads_for(spec, chain[:4])
+    client.put(ns_id, chain[:4], payloads)
+    grant = client.get_slots(ns_id, chain[:4])
+    assert client.release_grant(grant)
+    with open(grant.segment_path, "r+b") as arena:  # a same-uid process scribbles over block 2 in the host tier
+        arena.seek(grant.slots[2].offset)
+        arena.write(b"\x5a" * 64)
+
+    dsts = zeros(spec, 4)
+    result = client.load_shm(ns_id, chain[:4], dsts, verify=True)
+    assert result.tiers == ("host",) * 2, "Get served block 2's bad bytes again: a miss, not a hit"
+    assert all(np.array_equal(d, p) for d, p in zip(dsts[:2], payloads[:2]))
+    assert client.load_shm(ns_id, chain[:2], zeros(spec, 2), verify=True).tiers == ("host",) * 2

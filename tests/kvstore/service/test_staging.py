@@ -14,10 +14,12 @@ from kvstore.checksum import layer_checksums
 from kvstore.errors import InvalidRequest, UnknownLease
 from kvstore.results import PutResult
 from kvstore.service.client import KVStoreClient
+from kvstore.service.limits import ServiceLimits
 from kvstore.service.staging import StagingArea, StagingFull
 from kvstore.service.v1 import kvstore_pb2 as pb
 from kvstore.service.v1.kvstore_pb2_grpc import KVStoreStub
 from tests.conftest import payloads_for
+from tests.kvstore.service.test_service import rpc_error
 
 Code = grpc.StatusCode
 
@@ -93,6 +95,74 @@ def test_commit_of_bytes_that_fail_their_checksums_stores_nothing(staged_stub, n
     with pytest.raises(grpc.RpcError) as again:  # the failed commit ended the reservation
         stub.CommitSlots(pb.CommitSlotsRequest(reservation_id=reserved.reservation_id, blocks=checksums))
     assert again.value.code() == Code.NOT_FOUND and "reserve again" in again.value.details()
+
+
+def as_client(name: str) -> list[tuple[str, str]]:
+    return [("kvstore-client", name)]
+
+
+def reserve(stub, ns_id: bytes, hashes, spec, client: str, **request) -> pb.ReserveSlotsResponse:
+    return stub.ReserveSlots(pb.ReserveSlotsRequest(namespace_id=ns_id, block_hashes=hashes,
+                                                    block_bytes=spec.block_bytes, **request),
+                             metadata=as_client(client))
+
+
+def register(stub, namespace) -> bytes:
+    return stub.RegisterNamespace(pb.RegisterNamespaceRequest(canonical_json=namespace.canonical_json())).namespace_id
+
+
+def test_only_the_reserving_client_can_commit_and_to_others_the_reservation_does_not_exist(staged_stub, staging,
+                                                                                         namespace, spec, chain):
+    stub = staged_stub
+    ns_id = register(stub, namespace)
+    mine = reserve(stub, ns_id, chain[:1], spec, "tenant-a")
+    theirs = reserve(stub, ns_id, chain[1:2], spec, "tenant-b")
+    assert abs(theirs.reservation_id - mine.reservation_id) > 1 << 16, "ids are random, not a sequence"
+    payloads = payloads_for(spec, chain[:1])
+    checksums = write_slots(mine, payloads)
+
+    poison = [pb.LayerChecksums(layer_checksums=[0] * spec.num_layers)]
+    for blocks in (checksums, poison):  # neither commits nor cancels (by a failed commit) tenant-a's reservation
+        foreign = rpc_error(stub.CommitSlots, pb.CommitSlotsRequest(reservation_id=mine.reservation_id, blocks=blocks),
+                            metadata=as_client("tenant-b"))
+        unknown = rpc_error(stub.CommitSlots, pb.CommitSlotsRequest(reservation_id=12345, blocks=blocks),
+                            metadata=as_client("tenant-b"))
+        assert foreign.code() == unknown.code() == Code.NOT_FOUND
+        assert foreign.details() == unknown.details().replace("12345", str(mine.reservation_id)), "nothing leaks"
+    assert staging.active() == 2
+
+    committed = stub.CommitSlots(pb.CommitSlotsRequest(reservation_id=mine.reservation_id, blocks=checksums),
+                                 metadata=as_client("tenant-a"))
+    assert committed.stored == 1
+    got = stub.Get(pb.GetRequest(namespace_id=ns_id, block_hashes=chain[:1], stream_as_loaded=True))
+    assert b"".join(m.chunk.data for m in got if m.WhichOneof("kind") == "chunk") == payloads[0].tobytes()
+
+
+@pytest.mark.parametrize("ttl_s", [float("nan"), float("inf"), 1e12, 601.0, -1.0])
+def test_a_reservation_ttl_outside_its_bounds_is_invalid(staged_stub, staging, namespace, spec, chain, ttl_s):
+    ns_id = register(staged_stub, namespace)
+    error = rpc_error(reserve, staged_stub, ns_id, chain[:1], spec, "greedy", ttl_s=ttl_s)
+    assert error.code() == Code.INVALID_ARGUMENT
+    assert f"ttl_s must be in (0, 600] seconds, got {ttl_s}" in error.details()
+    assert staging.active() == 0
+    assert reserve(staged_stub, ns_id, chain[:1], spec, "greedy").ttl_s == 30, "unset: the default"
+
+
+def test_reservations_per_client_are_capped_and_others_still_reserve(store, start_server, staging, namespace, spec,
+                                                                     chain):
+    server = start_server(store, ServiceLimits(max_reservations_per_client=2), staging=staging)
+    with grpc.insecure_channel(server.target) as channel:
+        stub = KVStoreStub(channel)
+        ns_id = register(stub, namespace)
+        held = [reserve(stub, ns_id, chain[i : i + 1], spec, "greedy") for i in range(2)]
+        error = rpc_error(reserve, stub, ns_id, chain[2:3], spec, "greedy")
+        assert error.code() == Code.RESOURCE_EXHAUSTED and "max_reservations_per_client=2" in error.details()
+        assert reserve(stub, ns_id, chain[3:4], spec, "modest").slots, "another client is unaffected"
+
+        checksums = write_slots(held[0], payloads_for(spec, chain[:1]))
+        stub.CommitSlots(pb.CommitSlotsRequest(reservation_id=held[0].reservation_id, blocks=checksums),
+                         metadata=as_client("greedy"))
+        assert reserve(stub, ns_id, chain[2:3], spec, "greedy").slots, "a commit frees its place"
 
 
 def test_reservation_lapses_after_its_ttl_and_its_slots_are_reused(staging, namespace, spec, chain):
