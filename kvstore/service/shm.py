@@ -81,12 +81,16 @@ def leased_slots(store: TieredStore, ns_id: bytes, block_hashes: Sequence[bytes]
 
 
 class SegmentMaps:
-    """Mappings of segment files, one per path, kept until ``close``. Thread-safe.
+    """Mappings of segment files, kept until ``close``. Thread-safe.
 
     Read-only by default (the host tier's arena); ``writable=True`` for the staging segment of
     shared-memory puts (kvstore.service.staging). A path that cannot be opened or mapped (another
     host, another container's /dev/shm, no permission) is remembered as unmappable, so the caller
     falls back to bytes once per path.
+
+    A sidecar has one segment of each kind, named afresh by every sidecar process, so a new path
+    means the sidecar restarted: the mappings of the old paths are dropped then (unmapped once no
+    view of them is left), or a client would keep every dead sidecar's whole arena mapped.
     """
 
     def __init__(self, writable: bool = False):
@@ -98,21 +102,38 @@ class SegmentMaps:
         """``[nbytes]`` uint8 view of ``path`` at ``offset``; None if it cannot be mapped."""
         with self._lock:
             if path not in self._maps:
+                stale = [self._maps.pop(old) for old in list(self._maps)]
                 self._maps[path] = _map(path, self._writable)
+            else:
+                stale = []
             mapped = self._maps[path]
+        _unmap(stale)
         if mapped is None or offset + nbytes > mapped[1].nbytes:
             return None
         return mapped[1][offset : offset + nbytes]
 
+    def mapped_paths(self) -> list[str]:
+        """The paths mapped now (unmappable ones left out)."""
+        with self._lock:
+            return [path for path, mapped in self._maps.items() if mapped is not None]
+
     def close(self) -> None:
         with self._lock:
             maps, self._maps = self._maps, {}
-        for mapped in maps.values():
-            if mapped is not None:
-                try:
-                    mapped[0].close()
-                except BufferError:
-                    pass  # a caller still holds a view; the mapping goes with the last reference
+        _unmap(list(maps.values()))
+
+
+def _unmap(maps: list[tuple[mmap.mmap, np.ndarray] | None]) -> None:
+    """Close mappings no view holds any more; the rest go with their last view."""
+    while maps:
+        mapped = maps.pop()
+        if mapped is not None:
+            mapping = mapped[0]
+            del mapped  # our own view of the whole segment would keep the mapping exported
+            try:
+                mapping.close()
+            except BufferError:
+                pass  # a caller still holds a view; the mapping goes with the last reference
 
 
 def _map(path: str, writable: bool) -> tuple[mmap.mmap, np.ndarray] | None:

@@ -15,6 +15,7 @@ import pytest
 from kvstore.keys import Namespace
 from kvstore.layout import BlockSpec
 from kvstore.service.client import KVStoreClient
+from kvstore.service.shm import SegmentMaps
 from tests.conftest import payloads_for
 from tests.kvstore.service.test_service import rpc_error
 
@@ -161,3 +162,27 @@ def test_verify_never_reports_a_block_that_still_fails_its_checksums_after_get(c
     assert result.tiers == ("host",) * 2, "Get served block 2's bad bytes again: a miss, not a hit"
     assert all(np.array_equal(d, p) for d, p in zip(dsts[:2], payloads[:2]))
     assert client.load_shm(ns_id, chain[:2], zeros(spec, 2), verify=True).tiers == ("host",) * 2
+
+
+def test_a_new_segment_path_unmaps_the_old_one(tmp_path):
+    """A restarted sidecar names a new arena: the client must not keep the dead one mapped."""
+    old, new = str(tmp_path / "kvstore-1-0000aaaa"), str(tmp_path / "kvstore-2-0000bbbb")
+    for path in (old, new):
+        with open(path, "wb") as f:
+            f.truncate(1 << 20)
+    maps = SegmentMaps()
+    try:
+        view = maps.slot(old, 0, 4096)
+        assert view is not None and old in _mapped_files()
+        del view
+        assert maps.slot(new, 4096, 4096) is not None
+        assert maps.mapped_paths() == [new]
+        assert old not in _mapped_files() and new in _mapped_files()
+    finally:
+        maps.close()
+    assert new not in _mapped_files()
+
+
+def _mapped_files() -> str:
+    with open("/proc/self/maps") as f:
+        return f.read()
