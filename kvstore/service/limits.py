@@ -12,6 +12,8 @@ caller can tell which one to split around or raise. Defaults, and what they boun
     max_streams_per_client    8       Get and Put streams one client runs at once
     max_leases_per_client     1024    leases (Lookup, GetSlots) one client holds at once
     max_reservations_per_client 8     staging reservations (ReserveSlots) one client holds at once
+    max_namespaces            4096    namespaces registered in the sidecar's store (each one costs
+                                      memory for good: a client must not register them endlessly)
     stream_idle_timeout_s     30.0    seconds a Get or Put stream waits on its client for the next
                                       message (or to take one) before it fails DEADLINE_EXCEEDED
 
@@ -52,6 +54,7 @@ class ServiceLimits:
     max_streams_per_client: int = 8
     max_leases_per_client: int = 1024
     max_reservations_per_client: int = 8
+    max_namespaces: int = 4096
     stream_idle_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
@@ -67,6 +70,13 @@ class ServiceLimits:
         limit = getattr(self, name)
         if count > limit:
             raise LimitExceeded(f"{count} blocks in one call exceed {name}={limit}; split the call")
+
+    def check_new_namespace(self, registered: int) -> None:
+        """Raise ``LimitExceeded`` if the store already holds ``max_namespaces`` namespaces."""
+        if registered >= self.max_namespaces:
+            raise LimitExceeded(f"max_namespaces={self.max_namespaces}: the sidecar holds that many namespaces "
+                                "(they stay registered until it restarts); raise KVSTORE_MAX_NAMESPACES if "
+                                "that many models and tenants are real")
 
     def channel_options(self) -> list[tuple[str, int]]:
         """gRPC options for both ends: the message size limit, which gRPC enforces itself."""

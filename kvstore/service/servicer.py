@@ -146,7 +146,10 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
 
     @translate_errors
     async def RegisterNamespace(self, request, context):
-        ns_id = await asyncio.to_thread(self._store.register_namespace, wire.namespace_from_request(request))
+        namespace = wire.namespace_from_request(request)
+        if namespace.id not in {ns.id for ns in self._store.namespaces()}:  # registering again is free
+            self._limits.check_new_namespace(len(self._store.namespaces()))
+        ns_id = await asyncio.to_thread(self._store.register_namespace, namespace)
         return wire.registered(ns_id, self._store.spec(ns_id))
 
     @translate_errors

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -147,3 +148,16 @@ def test_a_get_whose_client_stops_reading_fails_deadline_exceeded_and_ends_its_l
         assert "stream_idle_timeout_s=1: the client took no Get message" in info.value.details()
         stats = stub.Stats(pb.StatsRequest())
         assert stats.leases_active == 0, "its lease ended with it"
+
+
+def test_namespaces_are_capped_and_registering_one_again_is_free(store, start_server, namespace):
+    server = start_server(store, ServiceLimits(max_namespaces=2))
+    with KVStoreClient(server.target, timeout_s=10) as client:
+        first = client.register_namespace(namespace)
+        client.register_namespace(dataclasses.replace(namespace, cache_salt="tenant-b"))
+        with pytest.raises(grpc.RpcError) as info:
+            client.register_namespace(dataclasses.replace(namespace, cache_salt="tenant-c"))
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max_namespaces=2" in info.value.details()
+        assert client.register_namespace(namespace) == first
+    assert len(store.namespaces()) == 2
