@@ -33,13 +33,14 @@ from kvstore.directory import MAX_TIERS, Directory
 from kvstore.placement import PlacementMixin
 from kvstore.checksum import checksums_ahead
 from kvstore.errors import InvalidRequest, StoreClosed, UnknownLease, UnknownNamespace
-from kvstore.keys import DIGEST_BYTES, Namespace
+from kvstore.keys import Namespace
 from kvstore.layout import BlockSpec
 from kvstore.lease import LeaseTable
 from kvstore.policies import DEFAULT_POLICY, EvictionPolicy, make_policy
 from kvstore.results import LoadResult, LookupResult, PutResult, StoreStats
 from kvstore.shadows import ShadowCopies
 from kvstore.tiers.base import BlockMeta, Tier
+from kvstore.validation import check_chain, check_hashes
 from kvstore.writer import BackgroundWriter
 
 WRITE_POLICIES = ("write_through", "on_eviction")
@@ -134,11 +135,11 @@ class TieredStore(PlacementMixin):
             try:
                 top = self._top_tiers(ns_id, block_hashes)
             except TypeError:  # unhashable element: say what is wrong with the input
-                _check_hashes(block_hashes)
+                check_hashes(block_hashes)
                 raise
             # Every hit matched a stored 16-byte digest exactly, so only the rest needs checking:
             # an all-hit lookup pays nothing for validation.
-            _check_hashes(block_hashes[len(top):])
+            check_hashes(block_hashes[len(top):])
             self._counters["lookups"] += 1
             self._counters["lookup_blocks"] += len(block_hashes)
             self._counters["hit_blocks"] += len(top)
@@ -179,7 +180,7 @@ class TieredStore(PlacementMixin):
         """
         try:
             spec = self.spec(ns_id)
-            _check_hashes(block_hashes)
+            check_hashes(block_hashes)
             if len(dsts) != len(block_hashes):
                 raise InvalidRequest(f"{len(block_hashes)} block hashes but {len(dsts)} destination buffers")
             views = [byte_view(d, writable=True) for d in dsts]
@@ -219,7 +220,7 @@ class TieredStore(PlacementMixin):
         sidecar's shared-memory path hands out slots and the client copies). Counts them as
         loaded from that tier. Returns how many were resident there; others are ignored."""
         self.spec(ns_id)
-        _check_hashes(block_hashes)
+        check_hashes(block_hashes)
         t = self._tier_index.get(tier)
         if t is None:
             raise InvalidRequest(f"no tier named {tier!r}; tiers: {list(self._tier_index)}")
@@ -234,7 +235,7 @@ class TieredStore(PlacementMixin):
         """Copy one layer of one block into ``dst``; returns the serving tier's name or None (a
         block deleted meanwhile is None too: this call carries no lease to prove its reader)."""
         spec = self.spec(ns_id)
-        _check_hashes([block_hash])
+        check_hashes([block_hash])
         spec.layer_range(layer)
         view = byte_view(dst, writable=True)
         check_size(view, spec.layer_bytes, "layer destination buffer")
@@ -280,10 +281,10 @@ class TieredStore(PlacementMixin):
         (left as is); a block no tier has room for is rejected (backpressure, not an error).
         """
         spec = self.spec(ns_id)
-        _check_hashes(block_hashes)
+        check_hashes(block_hashes)
         if parent is not None:
-            _check_hashes([parent])
-        _check_chain(block_hashes, parent)
+            check_hashes([parent])
+        check_chain(block_hashes, parent)
         if len(payloads) != len(block_hashes):
             raise InvalidRequest(f"{len(block_hashes)} block hashes but {len(payloads)} payloads")
         views = [byte_view(p) for p in payloads]
@@ -478,28 +479,3 @@ class TieredStore(PlacementMixin):
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _check_hashes(block_hashes: Sequence[bytes]) -> None:
-    """Reject anything but 16-byte ``bytes`` digests (C-speed checks: this is on the lookup path)."""
-    if not block_hashes:
-        return
-    types = set(map(type, block_hashes))
-    if types != {bytes} or set(map(len, block_hashes)) != {DIGEST_BYTES}:  # len() only once all are bytes
-        lengths = {len(h) for h in block_hashes if hasattr(h, "__len__")}
-        raise InvalidRequest(
-            f"block hashes must be {DIGEST_BYTES}-byte digests (kvstore.keys.chain_hashes); "
-            f"got types {sorted(t.__name__ for t in types)} with lengths {sorted(lengths)}"
-        )
-
-
-
-def _check_chain(block_hashes: Sequence[bytes], parent: bytes | None) -> None:
-    """Reject a chain that names a block twice or has its own block as ``parent``: each block
-    would be its own ancestor, and a loop of blocks that are each other's children is never a
-    leaf, so it could never be evicted."""
-    if len(set(block_hashes)) != len(block_hashes) or (parent is not None and parent in block_hashes):
-        raise InvalidRequest(
-            "a put's blocks must be distinct and must not include its parent: pass the hash of the block "
-            "before block_hashes[0] as parent, or None at the start of a prompt"
-        )
