@@ -14,9 +14,8 @@ The staging segment is separate from the host tier's arena (which the client lib
 read-only), so a client that writes only where the protocol lets it never writes into a block the
 store serves. The arena file itself is the sidecar's user's (mode 0600): a process of that same
 user could still open it for writing, so run the sidecar under a user of its own where clients
-are not trusted. It is carved by the same slab allocator;
-a reservation not committed within its TTL (at most ``MAX_RESERVATION_TTL_S``) lapses and its
-slots are reused.
+are not trusted. The staging segment is carved by the same slab allocator; a reservation not
+committed within its TTL (at most ``MAX_RESERVATION_TTL_S``) lapses and its slots are reused.
 
 A reservation belongs to the client that made it (its ``owner``): its id is random, and a commit
 from anyone else is answered as for an unknown id, so another client can neither guess it nor
