@@ -1,9 +1,10 @@
 """Checks of the block hashes a caller hands the store: what every public method validates
-before it touches anything. Pure functions; ``InvalidRequest`` says what would be valid."""
+before it touches anything. Pure functions (the store passes what they need to look up);
+``InvalidRequest`` says what would be valid."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 from kvstore.errors import InvalidRequest
 from kvstore.keys import DIGEST_BYTES
@@ -31,3 +32,25 @@ def check_chain(block_hashes: Sequence[bytes], parent: bytes | None) -> None:
             "a put's blocks must be distinct and must not include its parent: pass the hash of the block "
             "before block_hashes[0] as parent, or None at the start of a prompt"
         )
+
+
+def closes_loop(new: set[bytes], parent: bytes, named_as_parent: Callable[[bytes], bool],
+                parent_of: Callable[[bytes], bytes | None]) -> bool:
+    """Whether storing the ``new`` keys under ``parent`` makes a key its own ancestor, as after
+    ``put([A], parent=B)`` then ``put([B], parent=A)``: blocks that are each other's ancestors are
+    never leaves, so they could never be evicted.
+
+    Only a new key that resident blocks already name as their parent (``named_as_parent``) can
+    close a loop, so the walk up from ``parent`` (``parent_of``: a resident key's parent, None at
+    a head or past the resident blocks) happens only then: after a block was dropped while its
+    children stayed, not on the common path.
+    """
+    if not any(named_as_parent(key) for key in new):
+        return False
+    key, seen = parent, set()
+    while key is not None and key not in seen:
+        if key in new:
+            return True
+        seen.add(key)
+        key = parent_of(key)
+    return False

@@ -60,6 +60,11 @@ class EvictionPolicy(ABC):
         """Whether a new block deserves a slot at all (admission control). Default: always."""
         return True
 
+    def has_resident_children(self, key: bytes) -> bool:
+        """Whether a block resident in this tier names ``key`` as its parent. Default: False (a
+        policy that does not track chains cannot tell)."""
+        return False
+
     @property
     def leader(self) -> str:
         """The name of the policy whose order is in effect: this one (a selector's leading candidate)."""
@@ -89,6 +94,10 @@ class ChainPolicy(EvictionPolicy):
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._entries
+
+    def has_resident_children(self, key: bytes) -> bool:
+        entry = self._entries.get(key)
+        return key in self._orphans if entry is None else entry.children > 0
 
     def on_insert(self, key: bytes, parent: bytes | None, nbytes: int) -> None:
         assert key not in self._entries, "policy told about a block inserted twice (store bug)"

@@ -158,6 +158,9 @@ class SelectorPolicy(EvictionPolicy):
     def victims(self, evictable: Callable[[bytes], bool] = lambda k: True) -> Iterator[bytes]:
         return self._policies[self._leader].victims(evictable)
 
+    def has_resident_children(self, key: bytes) -> bool:
+        return self._policies[self._leader].has_resident_children(key)  # every candidate sees the same tier
+
     # ---- the miniatures ------------------------------------------------------------------------
 
     def _draw(self, key: bytes) -> bool:

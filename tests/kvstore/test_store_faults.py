@@ -248,3 +248,37 @@ def test_a_chain_that_loops_is_rejected_and_stores_nothing(make_store, namespace
     assert store.stats().tier("host").blocks == 0
     assert store.put(ns_id, chain[:3], payloads_for(spec, chain[:3])).stored == 3
     store.check_integrity()
+
+
+@pytest.mark.parametrize("policy", ["lru", "adaptive"])
+def test_two_puts_that_would_make_a_loop_are_refused_and_the_tier_stays_evictable(make_store, namespace, spec,
+                                                                                   chain, policy):
+    """``put([A], parent=B)`` then ``put([B], parent=A)`` would make A and B each other's parent:
+    never leaves, never evicted. The second put is refused, so A stays a leaf and goes when the
+    tier fills (LRU: first)."""
+    store = make_store(background_writes=False, policy=policy, host_bytes=64 << 10, page_bytes=16 << 10,
+                       disk_bytes=None)  # 4 slots
+    ns_id = store.register_namespace(namespace)
+    a, b = chain[0], chain[1]
+    assert store.put(ns_id, [a], payloads_for(spec, [a]), parent=b).stored == 1
+    with pytest.raises(InvalidRequest, match="would make a block its own ancestor"):
+        store.put(ns_id, [b], payloads_for(spec, [b]), parent=a)
+    assert store.lookup(ns_id, [b]).hit_blocks == 0
+    heads = [namespace_hashes(namespace, np.arange(1000 * i, 1000 * i + 4))[0] for i in range(1, 6)]
+    for head in heads:  # five one-block prompts through four slots
+        assert store.put(ns_id, [head], payloads_for(spec, [head])).stored == 1
+    if policy == "lru":
+        assert not store.tiers[0].contains(ns_id + a)
+    store.check_integrity()
+
+
+def test_a_block_re_put_after_its_children_stayed_is_no_loop(make_store, namespace, spec, chain):
+    """The common case the loop check walks for: a block dropped while its children stayed, stored
+    again under its true parent."""
+    store = make_store(background_writes=False)
+    ns_id = store.register_namespace(namespace)
+    store.put(ns_id, chain[:4], payloads_for(spec, chain[:4]))
+    store.delete_namespace(ns_id)
+    store.put(ns_id, chain[2:4], payloads_for(spec, chain[2:4]), parent=chain[1])  # children first
+    assert store.put(ns_id, chain[1:2], payloads_for(spec, chain[1:2]), parent=chain[0]).stored == 1
+    store.check_integrity()

@@ -46,3 +46,15 @@ def test_victims_are_resident_evictable_leaves_and_nothing_is_lost(name, seed):
     offered = {int.from_bytes(v, "little") for v in policy.victims()}
     leaves = {b for b in resident if not any(parent_of[c] == b for c in resident)}
     assert offered == leaves, "every resident leaf stays a candidate; nothing else is offered"
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_a_policy_knows_which_keys_resident_blocks_name_as_parent(name):
+    """The store's loop check asks this of every tier (``TieredStore._would_loop``)."""
+    policy = make_policy(name)
+    policy.on_insert(b"child", b"parent", 1)  # the parent is not in this tier
+    assert policy.has_resident_children(b"parent") and not policy.has_resident_children(b"child")
+    policy.on_insert(b"parent", None, 1)
+    assert policy.has_resident_children(b"parent")
+    policy.on_remove(b"child")
+    assert not policy.has_resident_children(b"parent")
