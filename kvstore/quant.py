@@ -4,7 +4,8 @@ Every function works on any torch device; pages are ``uint8`` tensors in the exa
 the store keeps (little-endian, as every supported platform is).
 
 FP8 is e4m3 (``torch.float8_e4m3fn``, max 448) with float32 scales ``amax / 448`` per tile
-(MLA: 4 tiles of 128 latent values per token; indexer: one scale per token). ``pow2_scales``
+(MLA: 4 tiles of 128 latent values per token; indexer: one scale per token), floored as vLLM's
+kernels floor them, so small and zero tiles give vLLM's bytes and never NaN. ``pow2_scales``
 rounds each scale up to a power of two (the UE8M0 variant some engines use): a namespace must
 record which one produced its bytes, since the two are not interchangeable.
 
@@ -59,11 +60,23 @@ def _bytes_of(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().view(torch.uint8)
 
 
-def _scales(amax: torch.Tensor, pow2_scales: bool) -> torch.Tensor:
-    scale = amax.float().clamp_min(torch.finfo(torch.float32).tiny) / FP8_MAX
-    if pow2_scales:
-        scale = torch.exp2(torch.ceil(torch.log2(scale)))
-    return scale
+def _mla_scales(amax: torch.Tensor, pow2_scales: bool) -> torch.Tensor:
+    """Per-tile scales ``amax / 448`` clamped to FLT_MIN, as vLLM's ``concat_and_cache_ds_mla``
+    kernel does: an all-zero tile gets a normal, non-zero scale. (Clamping ``amax`` instead gave a
+    subnormal scale, which is 0 under flush-to-zero, and 0/0 made the whole tile NaN.)"""
+    scale = (amax.float() / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    return _pow2(scale) if pow2_scales else scale
+
+
+def _indexer_scales(amax: torch.Tensor, pow2_scales: bool) -> torch.Tensor:
+    """Per-token scales as vLLM's ``indexer_k_quant_and_cache`` kernel computes them:
+    ``max(amax, 1e-4) / 448``, rounded up to a power of two for UE8M0."""
+    scale = amax.float().clamp_min(1e-4) / FP8_MAX
+    return _pow2(scale) if pow2_scales else scale
+
+
+def _pow2(scale: torch.Tensor) -> torch.Tensor:
+    return torch.exp2(torch.ceil(torch.log2(scale)))
 
 
 def pack_mla_bf16(latent: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
@@ -94,7 +107,7 @@ def quantize_mla_fp8_ds(
     _check_last_dim("rope key", rope, ROPE_DIM)
     _check_same_tokens(latent, rope)
     tiles = latent.float().reshape(*latent.shape[:-1], KV_LORA_RANK // MLA_TILE, MLA_TILE)
-    scale = _scales(tiles.abs().amax(dim=-1), pow2_scales)  # [T, 4] fp32
+    scale = _mla_scales(tiles.abs().amax(dim=-1), pow2_scales)  # [T, 4] fp32
     fp8 = (tiles / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return torch.cat(
         [
@@ -122,7 +135,7 @@ def quantize_indexer_fp8(keys: torch.Tensor, pow2_scales: bool = False) -> torch
     _check_last_dim("indexer keys", keys, INDEXER_DIM)
     if keys.dim() != 2:
         raise InvalidRequest(f"indexer keys must be [T, 128], got shape {tuple(keys.shape)}")
-    scale = _scales(keys.abs().amax(dim=-1), pow2_scales)  # [T] fp32
+    scale = _indexer_scales(keys.abs().amax(dim=-1), pow2_scales)  # [T] fp32
     fp8 = (keys.float() / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return torch.cat([_bytes_of(fp8).reshape(-1), _bytes_of(scale).reshape(-1)])
 

@@ -346,3 +346,31 @@ def test_wrong_widths_raise(call):
 def test_latent_and_rope_of_different_token_counts_are_refused(pack):
     with pytest.raises(InvalidRequest, match="same tokens"):
         pack(torch.zeros(4, 512), torch.zeros(3, 64))
+
+
+@pytest.mark.parametrize("pow2_scales", [False, True])
+def test_zero_tiles_and_tokens_stay_zero_with_denormals_flushed(pow2_scales):
+    """An all-zero tile once got a subnormal scale: 0 under flush-to-zero, and 0/0 made it NaN."""
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        latent = _latent(80)
+        latent[:, :128] = 0  # tile 0 of every token
+        keys = _indexer_keys(81)
+        keys[0] = 0
+        mla, _ = dequantize_mla_fp8_ds(quantize_mla_fp8_ds(latent, _rope(82), pow2_scales=pow2_scales))
+        indexer = dequantize_indexer_fp8(quantize_indexer_fp8(keys, pow2_scales=pow2_scales))
+    finally:
+        torch.set_flush_denormal(False)
+    assert bool(torch.isfinite(mla).all()) and bool((mla[:, :128] == 0).all())
+    assert bool(torch.isfinite(indexer).all()) and bool((indexer[0] == 0).all())
+
+
+def test_indexer_scales_are_floored_as_vllm_floors_them():
+    """vLLM's indexer_k_quant_and_cache: scale = max(amax, 1e-4) / 448."""
+    keys = torch.zeros(3, 128)
+    keys[1, 5], keys[2, 7] = 5e-5, 2.0
+    page = quantize_indexer_fp8(keys)
+    scales = page[3 * 128 :].contiguous().view(torch.float32)
+    expected = torch.tensor([1e-4, 1e-4, 2.0]) / 448.0
+    assert torch.equal(scales, expected)
