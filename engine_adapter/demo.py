@@ -99,7 +99,8 @@ class _Demo:
         self.cfg, self.say = cfg, say
         self.model = DeepseekForCausalLM.random(model_config(cfg), seed=cfg.seed, dtype=torch.float32)
         self.weights = weights_fingerprint(self.model)  # another --seed is another model
-        self.namespace = namespace_for(self.model.config, "demo/deepseek-random", PAGE, weights_hash=self.weights)
+        self.namespace = namespace_for(self.model.config, "demo/deepseek-random", PAGE, weights_hash=self.weights,
+                                       compute_dtype=str(self.model.dtype))
         self.data_dir = cfg.data_dir or (None if cfg.sidecar else tempfile.mkdtemp(prefix="kvstore-demo-"))
         self.rng = torch.Generator().manual_seed(cfg.seed + 1)
         self.store = None if cfg.sidecar else self._open_store()

@@ -46,7 +46,7 @@ class Engine:
             raise ValueError(f"model on {model.lm_head.weight.device}, pool on {pool.device}: use one device")
         self.model, self.pool = model, pool
         weights = weights_fingerprint(model) if weights_hash is None else weights_hash
-        self.namespace = namespace_for(model.config, model_name, pool.page_size, cache_salt, weights)
+        self.namespace = namespace_for(model.config, model_name, pool.page_size, cache_salt, weights, str(model.dtype))
         self.blocks = BlockManager(pool, self.namespace, model.dtype, connector)
         if connector is not None and pool.on_evict is None:  # evicted device pages go down a tier
             pool.on_evict = lambda block_hash, page, parent: connector.demote(block_hash, page, pool, parent)

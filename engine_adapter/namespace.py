@@ -12,6 +12,8 @@ Two producers share a namespace only if their block bytes are interchangeable (D
     block_size        the page size of the pool
     weights_hash      the weights (``fingerprint.weights_fingerprint``, or the caller's own hash):
                       two checkpoints of one config served under one name must not share KV
+    compute_dtype     the dtype the model computes in (extra): the same weights in bf16 and in
+                      fp32 write different bytes, even where a caller's weights_hash names both
     cache_salt        the tenant salt (one tenant can neither reuse nor probe another's prefixes)
 
 Bump ENGINE_VERSION whenever a change to the model code changes a single cached byte.
@@ -38,9 +40,10 @@ def components_for(config: ModelConfig) -> tuple[str, ...]:
 
 
 def namespace_for(config: ModelConfig, model_name: str, block_size: int = 64, cache_salt: str = "",
-                  weights_hash: str = "") -> Namespace:
+                  weights_hash: str = "", compute_dtype: str = "") -> Namespace:
     """The namespace of the blocks this engine produces for ``config`` at ``block_size`` with the
-    weights ``weights_hash`` identifies (empty: the caller vouches that ``model_name`` does)."""
+    weights ``weights_hash`` identifies computing in ``compute_dtype`` (``str(torch dtype)``; empty:
+    the caller vouches that ``model_name`` says both)."""
     return Namespace(
         model=model_name,
         model_config_hash=config_hash(asdict(config)),
@@ -51,4 +54,5 @@ def namespace_for(config: ModelConfig, model_name: str, block_size: int = 64, ca
         engine_version=ENGINE_VERSION,
         weights_hash=weights_hash,
         cache_salt=cache_salt,
+        extra=(("compute_dtype", compute_dtype),) if compute_dtype else (),
     )

@@ -73,3 +73,12 @@ def test_two_checkpoints_under_one_name_never_share_kv(model, config, tmp_path):
     assert warm_b.stats.connector_hit_tokens == 0
     assert warm_b.output_ids == cold_b.output_ids
     assert again_a.stats.connector_hit_tokens > 0  # the store does serve the checkpoint that wrote it
+
+
+def test_one_weights_hash_in_two_dtypes_gives_two_namespaces(model, config):
+    """A caller's own weights_hash may name a checkpoint in any dtype; the bytes differ by dtype."""
+    pool = PagePool(config, 4, page_size=P)
+    bf16 = Engine(model(0, torch.bfloat16), pool, weights_hash="rev-abc")
+    fp32 = Engine(model(0, torch.float32), pool, weights_hash="rev-abc")
+    assert bf16.namespace.id != fp32.namespace.id
+    assert dict(fp32.namespace.extra)["compute_dtype"] == "torch.float32"
