@@ -23,6 +23,7 @@ This module knows nothing about tiers, layouts' byte contents or where blocks li
 from __future__ import annotations
 
 import json
+import numbers
 import threading
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
@@ -64,6 +65,14 @@ class Namespace:
     extra: tuple[tuple[str, str], ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
+        for name in ("num_layers", "block_size"):  # an int in any guise (numpy's too), never a float or bool
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise InvalidRequest(f"Namespace.{name} must be an integer, got {value!r}")
+            object.__setattr__(self, name, int(value))
+        for name in ("model", "model_config_hash", "engine", "engine_version", "weights_hash", "cache_salt"):
+            if not isinstance(getattr(self, name), str):
+                raise InvalidRequest(f"Namespace.{name} must be a string, got {getattr(self, name)!r}")
         if not self.model:
             raise InvalidRequest("Namespace.model must be a non-empty model name")
         if self.num_layers <= 0:

@@ -380,3 +380,18 @@ def test_prompts_longer_than_the_cached_scratch_hash_correctly():
 def test_strided_token_views_hash_like_their_copies():
     tokens = np.arange(512, dtype=np.int64)[::2]  # a non-contiguous view
     assert chain_hashes(ZERO_SEED, tokens, 64) == _naive_chain(ZERO_SEED, tokens.tolist(), 64)
+
+
+@pytest.mark.parametrize("field, value", [("num_layers", 4.0), ("num_layers", True), ("block_size", "64"),
+                                          ("model", 7), ("cache_salt", None)])
+def test_a_namespace_field_of_the_wrong_type_is_refused(field, value):
+    """A float layer count once made its own namespace id (and float block sizes)."""
+    fields = dict(model="m", model_config_hash="c", num_layers=4, components=("mla_bf16",))
+    with pytest.raises(InvalidRequest, match=f"Namespace.{field} must be"):
+        Namespace(**{**fields, field: value})
+
+
+def test_numpy_integers_are_plain_ints_in_a_namespace():
+    fields = dict(model="m", model_config_hash="c", components=("mla_bf16",))
+    assert Namespace(num_layers=np.int64(4), block_size=np.int32(64), **fields).id == \
+        Namespace(num_layers=4, block_size=64, **fields).id
