@@ -75,12 +75,14 @@ class ServiceMetrics:
     """The sidecar's metrics: call ``lookup``/``load``/``put``/... from the servicer.
 
     Thread-safe (prometheus_client metrics are; the recent-traffic deques take a lock). Keeps the
-    last ``recent_lookups`` lookups (their keys) and ``recent_latencies`` latencies per kind for
-    the dashboard.
+    last ``recent_lookups`` lookups (their keys), and of those no more than ``recent_keys`` keys in
+    all, and ``recent_latencies`` latencies per kind for the dashboard. The dashboard's curve
+    replays 65,536 accesses (``curve_report.MAX_ACCESSES``); a cap by lookups alone let a client
+    sending 16,384-hash lookups grow the record to 2.8 GiB.
     """
 
     def __init__(self, store: TieredStore, max_namespaces: int = 32, recent_lookups: int = 2048,
-                 recent_latencies: int = 4096):
+                 recent_latencies: int = 4096, recent_keys: int = 2 * 65_536):
         self.store = store
         self.registry = CollectorRegistry()
         self.namespaces = NamespaceLabels(max_namespaces)
@@ -112,7 +114,8 @@ class ServiceMetrics:
         self.put_seconds = Histogram("kvstore_put_duration_seconds", "Put call latency",
                                      buckets=LATENCY_BUCKETS_S, registry=r)
         r.register(StoreCollector(store))
-        self._recent_lookups: collections.deque[LookupRecord] = collections.deque(maxlen=recent_lookups)
+        self._recent_lookups: collections.deque[LookupRecord] = collections.deque()
+        self._max_recent_lookups, self._max_recent_keys, self._recent_keys = recent_lookups, recent_keys, 0
         self._recent_latencies = {kind: collections.deque(maxlen=recent_latencies) for kind in ("lookup", "load", "put")}
         self._lock = threading.Lock()
 
@@ -135,8 +138,16 @@ class ServiceMetrics:
         record = LookupRecord(time.time(), label, tuple(ns_id + h for h in keys), spec.block_bytes,
                               spec.block_size, len(hit_tiers))
         with self._lock:
-            self._recent_lookups.append(record)
+            self._remember(record)
             self._recent_latencies["lookup"].append((record.time_s, seconds))
+
+    def _remember(self, record: LookupRecord) -> None:
+        """Append ``record``, dropping the oldest past either cap (the newest always stays). Caller holds the lock."""
+        recent = self._recent_lookups
+        recent.append(record)
+        self._recent_keys += len(record.keys)
+        while len(recent) > 1 and (len(recent) > self._max_recent_lookups or self._recent_keys > self._max_recent_keys):
+            self._recent_keys -= len(recent.popleft().keys)
 
     def load(self, ns_id: bytes, tiers: Sequence[str], path: str, seconds: float) -> None:
         """A Get (``path="bytes"``) or GetSlots (``"shm"``) that handed over blocks from ``tiers``."""

@@ -90,3 +90,19 @@ def test_http_app_serves_metrics_and_healthz_and_protects_what_it_must(store):
     assert refused.status_code == 401 and "Bearer" in refused.json()["detail"]
     assert protected.get("/metrics", headers={"Authorization": "Bearer t0k"}).status_code == 200
     assert protected.get("/metrics", headers={"Authorization": "Bearer nope"}).status_code == 401
+
+
+def test_the_recent_lookup_record_is_capped_by_keys_as_well_as_lookups(store, namespace):
+    """16,384-hash lookups from one client once grew the record to 2.8 GiB: 2,048 of them."""
+    ns_id = store.register_namespace(namespace)
+    metrics = ServiceMetrics(store, recent_lookups=8, recent_keys=1000)
+    big = [i.to_bytes(16, "little") for i in range(400)]
+    for _ in range(5):
+        metrics.lookup(ns_id, big, (), 0.001)
+    kept = metrics.recent_lookups()
+    assert len(kept) == 2 and sum(len(r.keys) for r in kept) == 800  # 3 x 400 keys would pass 1000
+    metrics.lookup(ns_id, [i.to_bytes(16, "little") for i in range(5000)], (), 0.001)
+    assert [len(r.keys) for r in metrics.recent_lookups()] == [5000], "the newest stays, however large"
+    for _ in range(20):
+        metrics.lookup(ns_id, big[:1], (), 0.001)
+    assert len(metrics.recent_lookups()) == 8
