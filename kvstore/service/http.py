@@ -1,13 +1,18 @@
 """The sidecar's HTTP face: Prometheus ``/metrics``, ``/healthz`` and the dashboard.
 
-    GET /metrics    Prometheus text format of ``ServiceMetrics.registry`` (open unless
-                    ``protect_metrics``; Prometheus scrapers then send the bearer token)
-    GET /healthz    200 "ok" while serving, 503 while shutting down (never protected)
-    GET /, /api/*   the dashboard (kvstore.service.dashboard): the page and its JSON API
+    GET /metrics      Prometheus text format of ``ServiceMetrics.registry`` (open unless
+                      ``protect_metrics``; Prometheus scrapers then send the bearer token)
+    GET /healthz      200 "ok" while serving, 503 while shutting down (never protected)
+    GET /, /static/*  the dashboard's page and its assets (kvstore.service.dashboard)
+    GET /api/*        the dashboard's JSON API
+    GET /openapi.json the API's schema (no Swagger UI or ReDoc: they load from a CDN)
 
-With a token, every route but ``/healthz`` (and ``/metrics`` unless protected) needs
-``Authorization: Bearer TOKEN``; the dashboard page reads the token from ``?token=`` once and
-sends it as that header. Nothing here can change the store: every route is a GET.
+With a token, what holds data (``/api/*``, ``/openapi.json``, and ``/metrics`` when protected)
+needs ``Authorization: Bearer TOKEN``, taken from that header only: a token in a URL ends up in
+history, logs and Referers. The page and its assets are code with no data, open to all, because a
+browser cannot add the header to ``<script>`` and ``<link>`` loads: the page reads the token from
+``?token=`` once, drops it from the address bar and sends it as that header. No response lets the
+browser send its URL on as a Referer. Nothing here can change the store: every route is a GET.
 
 ``HttpServer`` runs uvicorn inside the sidecar's event loop (no second process or thread pool).
 """
@@ -20,7 +25,7 @@ import socket
 
 import uvicorn
 from fastapi import Depends, FastAPI, HTTPException, Request
-from fastapi.responses import PlainTextResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvstore.errors import InvalidRequest
@@ -34,8 +39,13 @@ def create_http_app(metrics: ServiceMetrics, token: str | None = None, protect_m
                     dashboard=None, serving=lambda: True) -> FastAPI:
     """The FastAPI app; ``dashboard`` is a ``Dashboard`` (its router is mounted at ``/``) or None."""
     app = FastAPI(title="kvstore sidecar", description="Metrics and hit-rate dashboard of one KV-cache store",
-                  version="1")
+                  version="1", openapi_url=None, docs_url=None, redoc_url=None)  # the schema: below, guarded
+    app.middleware("http")(_no_referrer)
     auth = [Depends(_bearer(token))] if token else []
+
+    @app.get("/openapi.json", dependencies=auth, include_in_schema=False)
+    def openapi_schema() -> JSONResponse:
+        return JSONResponse(app.openapi())
 
     @app.get("/metrics", dependencies=auth if protect_metrics else [], include_in_schema=False)
     def prometheus_metrics() -> Response:
@@ -48,20 +58,25 @@ def create_http_app(metrics: ServiceMetrics, token: str | None = None, protect_m
         return PlainTextResponse("shutting down", status_code=503)
 
     if dashboard is not None:
-        app.include_router(dashboard.router, dependencies=auth)
+        app.include_router(dashboard.page_router)
+        app.include_router(dashboard.api_router, dependencies=auth)
     return app
 
 
 def _bearer(token: str):
     def require_token(request: Request) -> None:
-        presented = request.headers.get("authorization")
-        if presented is None and "token" in request.query_params:  # the page's first load
-            presented = f"Bearer {request.query_params['token']}"
-        if not token_matches(presented, token):
+        if not token_matches(request.headers.get("authorization"), token):
             raise HTTPException(401, "send 'Authorization: Bearer TOKEN' with the sidecar's token "
-                                     "(or open the page once as /?token=TOKEN)",
+                                     "(the dashboard takes it once as /?token=TOKEN)",
                                 headers={"WWW-Authenticate": "Bearer"})
     return require_token
+
+
+async def _no_referrer(request: Request, call_next) -> Response:
+    """Browsers send no Referer from any page or response of ours (the page's URL may hold a token)."""
+    response = await call_next(request)
+    response.headers["Referrer-Policy"] = "no-referrer"
+    return response
 
 
 class HttpServer:

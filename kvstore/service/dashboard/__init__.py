@@ -3,7 +3,9 @@
 ``Dashboard(metrics).router`` is a FastAPI router of GET routes only; it reads ``ServiceMetrics``
 and never changes the store. Include it in the sidecar's app (at the root, or under a prefix
 whose page is then ``PREFIX/``: the page fetches its assets and data by relative URLs), and run
-``Dashboard.run()`` beside the server to keep the history. It defines no ``/metrics``.
+``Dashboard.run()`` beside the server to keep the history. It defines no ``/metrics``. The
+router is two: ``page_router`` (the page and its assets, which hold no data) and ``api_router``
+(the data), so that an app with a token can guard the data and leave the page's code open.
 
 - ``GET /``: the page (``static/index.html``): token hit rate over time overall and per tier,
   prefill tokens saved, bytes used per tier against capacity, evictions, load latency

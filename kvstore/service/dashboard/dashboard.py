@@ -30,6 +30,10 @@ STATIC_FILES = frozenset(p.name for p in STATIC_DIR.iterdir() if p.is_file())  #
 class Dashboard:
     """The hit-rate dashboard of one sidecar; include ``router`` in its FastAPI app.
 
+    ``router`` is ``page_router`` (the page and its static assets: code, no data) and
+    ``api_router`` (the JSON API: the data). An app with a token puts only ``api_router`` behind
+    it: a browser cannot add a header to the page's ``<script>`` and ``<link>`` loads.
+
     ``sample()`` records one history sample (the constructor takes the first, so the first
     interval starts when the dashboard does); ``run()`` calls it every ``sample_interval_s``
     until cancelled. The history keeps ``history_s`` worth of samples. A hit-rate curve is
@@ -46,7 +50,9 @@ class Dashboard:
         self.history = History(max_samples=math.ceil(history_s / sample_interval_s) + 1)
         self._curves = CurveCache(curve_refresh_s)
         self._sampling = threading.Lock()  # one sample at a time, so their times rise as they are added
-        self.router = self._router()
+        self.page_router = self._page_router()
+        self.api_router = self._api_router()
+        self.router = APIRouter(routes=[*self.page_router.routes, *self.api_router.routes])
         self.sample()
 
     def sample(self) -> None:
@@ -78,7 +84,8 @@ class Dashboard:
         capacity, rule = current_capacity(capacities, self.metrics.store.write_policy)
         return self._curves.get(self.metrics.recent_lookups(), capacity, rule)
 
-    def _router(self) -> APIRouter:
+    @staticmethod
+    def _page_router() -> APIRouter:
         router = APIRouter()
 
         @router.get("/", include_in_schema=False)
@@ -90,6 +97,11 @@ class Dashboard:
             if name not in STATIC_FILES:
                 raise HTTPException(404, f"no static file {name!r}; there are {sorted(STATIC_FILES)}")
             return FileResponse(STATIC_DIR / name)
+
+        return router
+
+    def _api_router(self) -> APIRouter:
+        router = APIRouter()
 
         @router.get("/api/summary", response_model=Summary)
         def api_summary() -> Summary:

@@ -1,5 +1,6 @@
-"""The dashboard of a real ``kvstore serve`` process, in headless Chromium, while the bundled
-engine's demo traffic flows through it: the page shows what the JSON API and /metrics report."""
+"""The dashboard of a real ``kvstore serve`` process, in headless Chromium: while the bundled
+engine's demo traffic flows through it the page shows what the JSON API and /metrics report, and
+with a token the page opened once as ``/?token=TOKEN`` goes live and keeps the token out of URLs."""
 
 from __future__ import annotations
 
@@ -67,3 +68,42 @@ def test_the_sidecar_dashboard_shows_the_demo_traffic_live(tmp_path):
                                 exposition, re.M).group(1))
         assert saved == summary["prefill_tokens_saved"]
     assert (tmp_path / "sidecar-dashboard.png").stat().st_size > 30_000
+
+
+TOKEN = "s3cret-token-value"
+
+
+def test_the_dashboard_of_a_sidecar_with_a_token_goes_live_from_a_token_url(tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    with LocalSidecar(str(tmp_path), "64MiB", "256MiB", extra_args=("--token-file", str(token_file)),
+                      env={"KVSTORE_SHM_DIR": str(tmp_path)}) as sidecar, \
+            sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
+        page = browser.new_page()
+        requests = []
+        page.on("request", lambda request: requests.append(request))
+        page.goto(sidecar.url + f"?token={TOKEN}")
+        page.wait_for_function("Number(document.body.dataset.updates) >= 2", timeout=15_000)
+
+        assert page.get_attribute("#status", "data-state") == "live"
+        summary = httpx.get(sidecar.url + "api/summary", headers={"Authorization": f"Bearer {TOKEN}"}).json()
+        capacity = page.locator('[data-metric="tier_capacity_bytes"][data-tier="host"]').get_attribute("data-value")
+        assert capacity == str(64 << 20) == str(next(t["capacity_bytes"] for t in summary["tiers"] if t["name"] == "host"))
+        assert page.url == sidecar.url, "the token left the address bar"
+        headers = [(r.url, r.all_headers()) for r in requests]
+        assert [url for url, sent in headers if "referer" in sent] == [], "no request carries a Referer"
+        api_calls = [sent.get("authorization") for url, sent in headers if "/api/" in url]
+        assert api_calls and set(api_calls) == {f"Bearer {TOKEN}"}
+        assert page.evaluate("fetch('api/summary').then(r => r.status)") == 401
+
+        page.reload()  # the token lives on in this tab's sessionStorage, not in the URL
+        page.wait_for_function("Number(document.body.dataset.updates) >= 1", timeout=15_000)
+        assert page.url == sidecar.url and page.get_attribute("#status", "data-state") == "live"
+
+        tab = browser.new_page()  # a tab of its own has no token, and says what it needs
+        tab.goto(sidecar.url)
+        tab.wait_for_function("document.getElementById('status').dataset.state === 'error'", timeout=15_000)
+        assert tab.locator("#status").text_content() == "needs the token · open ?token=TOKEN"
+        assert tab.evaluate("document.body.dataset.updates") == "0"
+        browser.close()

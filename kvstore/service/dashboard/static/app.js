@@ -1,6 +1,7 @@
 // The dashboard's client: polls the JSON API every POLL_MS, fills the data-metric elements
 // (text formatted, data-value raw) and draws the charts with uPlot. It only ever GETs.
-// Every string from the server goes in through textContent, never as HTML.
+// Every string from the server goes in through textContent, never as HTML. With a token, the
+// page is opened once as ?token=TOKEN: see takeToken.
 "use strict";
 
 const POLL_MS = 2000;
@@ -254,12 +255,38 @@ function renderTimeseries(ts) {
   [times, latency("p50"), latency("p90"), latency("p99")]);
 }
 
+// ---- the token ----------------------------------------------------------------------------
+
+const TOKEN_KEY = "kvstore.token";
+
+/** The sidecar's bearer token, or null when none was given. Read from ?token= once, kept in this
+ * tab's sessionStorage (it survives a reload) and dropped from the address bar, so that it is not
+ * bookmarked, shared or kept in the history. */
+function takeToken() {
+  const url = new URL(window.location.href);
+  const given = url.searchParams.get("token");
+  if (given !== null) {
+    sessionStorage.setItem(TOKEN_KEY, given);
+    url.searchParams.delete("token");
+    history.replaceState(history.state, "", url.pathname + url.search + url.hash);
+  }
+  return sessionStorage.getItem(TOKEN_KEY);
+}
+
+const TOKEN = takeToken();
+
 // ---- polling -------------------------------------------------------------------------------
 
 async function getJSON(path) {
-  const response = await fetch(path, { cache: "no-store" });
+  const headers = TOKEN === null ? {} : { Authorization: `Bearer ${TOKEN}` };
+  const response = await fetch(path, { cache: "no-store", headers });
+  if (response.status === 401) throw new Unauthorized(path);
   if (!response.ok) throw new Error(`${path}: HTTP ${response.status}`);
   return response.json();
+}
+
+class Unauthorized extends Error {
+  constructor(path) { super(`${path}: HTTP 401, the sidecar wants its token`); }
 }
 
 function setStatus(state, text) {
@@ -282,7 +309,8 @@ async function refresh() {
     setStatus("live", "live · " + new Date().toLocaleTimeString());
   } catch (err) {
     console.error(err);
-    setStatus("error", "offline · retrying");
+    if (err instanceof Unauthorized) setStatus("error", "needs the token · open ?token=TOKEN");
+    else setStatus("error", "offline · retrying");
   } finally {
     setTimeout(refresh, POLL_MS);
   }

@@ -1,0 +1,71 @@
+"""Who may read what on the sidecar's HTTP port, with and without a token.
+
+With a token, what carries data (the JSON API, the OpenAPI schema, /metrics when protected)
+needs ``Authorization: Bearer TOKEN``; the page and its static assets (code, no data) are open,
+because a browser cannot add a header to ``<script>`` and ``<link>`` loads. No route serves the
+CDN-backed Swagger UI or ReDoc, and no response lets the browser send the URL on as a Referer.
+"""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from kvstore.service.dashboard import Dashboard
+from kvstore.service.http import create_http_app
+from kvstore.service.metrics import ServiceMetrics
+
+TOKEN = "s3cret-token-value"
+BEARER = {"Authorization": f"Bearer {TOKEN}"}
+API = ("/api/summary", "/api/timeseries", "/api/namespaces", "/api/hit_rate_curve")
+PAGE = ("/", "/static/app.js", "/static/style.css", "/static/uPlot.iife.min.js", "/static/uPlot.min.css")
+FASTAPI_DOCS = ("/docs", "/redoc", "/docs/oauth2-redirect")
+
+
+def http_client(store, token: str | None) -> TestClient:
+    metrics = ServiceMetrics(store)
+    return TestClient(create_http_app(metrics, token=token, dashboard=Dashboard(metrics)))
+
+
+def test_with_a_token_the_data_needs_the_header_and_the_page_code_does_not(store):
+    client = http_client(store, TOKEN)
+    for path in (*API, "/openapi.json"):
+        refused = client.get(path)
+        assert refused.status_code == 401, path
+        assert refused.headers["www-authenticate"] == "Bearer" and "Bearer TOKEN" in refused.json()["detail"]
+        assert client.get(path, headers={"Authorization": "Bearer wrong"}).status_code == 401, path
+        assert client.get(path, headers=BEARER).status_code == 200, path
+    for path in PAGE:
+        assert client.get(path).status_code == 200, path
+
+
+def test_the_token_is_taken_from_the_header_only(store):
+    """A token in a URL ends up in history, logs and Referers: no route accepts it there."""
+    client = http_client(store, TOKEN)
+    for path in (*API, "/openapi.json"):
+        assert client.get(path, params={"token": TOKEN}).status_code == 401, path
+
+
+def test_the_schema_is_at_openapi_json_and_documents_the_api(store):
+    schema = http_client(store, TOKEN).get("/openapi.json", headers=BEARER).json()
+    assert set(schema["paths"]) == {*API, "/healthz"}
+
+
+@pytest.mark.parametrize("token", [TOKEN, None])
+def test_no_swagger_ui_or_redoc_with_or_without_a_token(store, token):
+    client = http_client(store, token)
+    for path in FASTAPI_DOCS:
+        assert client.get(path, headers=BEARER).status_code == 404, path
+
+
+def test_without_a_token_everything_is_open(store):
+    client = http_client(store, None)
+    for path in (*PAGE, *API, "/openapi.json", "/metrics", "/healthz"):
+        assert client.get(path).status_code == 200, path
+
+
+@pytest.mark.parametrize("token", [TOKEN, None])
+def test_no_response_sends_a_referer(store, token):
+    client = http_client(store, token)
+    for path in ("/", "/static/app.js", "/api/summary", "/openapi.json", "/metrics", "/healthz", "/docs"):
+        assert client.get(path).headers.get("referrer-policy") == "no-referrer", path
