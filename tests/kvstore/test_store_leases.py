@@ -153,12 +153,19 @@ def test_delete_namespace_removes_its_blocks_from_every_tier(make_store, namespa
     store.check_integrity()
 
 
-def test_delete_namespace_under_a_lease_defers_until_release(make_store, namespace, spec, chain):
+def delete_under_a_lease(make_store, namespace, spec, stored, leased):
+    """A store holding ``stored``, with a lease on ``leased``, whose namespace was then deleted:
+    (store, ns_id, payloads, lookup result, blocks delete_namespace reported)."""
     store = make_store(background_writes=False)
     ns_id = store.register_namespace(namespace)
-    payloads, _ = put_chain(store, ns_id, spec, chain[:4])
-    hit = store.lookup(ns_id, chain[:2], lease_ttl_s=60)
-    assert store.delete_namespace(ns_id) == 4
+    payloads, _ = put_chain(store, ns_id, spec, stored)
+    hit = store.lookup(ns_id, leased, lease_ttl_s=60)
+    return store, ns_id, payloads, hit, store.delete_namespace(ns_id)
+
+
+def test_delete_namespace_under_a_lease_defers_until_release(make_store, namespace, spec, chain):
+    store, ns_id, payloads, hit, removed = delete_under_a_lease(make_store, namespace, spec, chain[:4], chain[:2])
+    assert removed == 4
     # the unleased blocks are gone at once; the leased ones still hold their bytes
     assert [store.tiers[0].contains(ns_id + h) for h in chain[:4]] == [True, True, False, False]
     assert [store.tiers[1].contains(ns_id + h) for h in chain[:4]] == [True, True, False, False]
@@ -245,11 +252,7 @@ def test_delete_namespace_during_a_put_removes_the_blocks_being_written(make_sto
 
 
 def test_a_deleted_but_leased_block_is_loaded_only_by_its_lease_holder(make_store, namespace, spec, chain):
-    store = make_store(background_writes=False)
-    ns_id = store.register_namespace(namespace)
-    payloads, _ = put_chain(store, ns_id, spec, chain[:3])
-    hit = store.lookup(ns_id, chain[:3], lease_ttl_s=60)
-    store.delete_namespace(ns_id)
+    store, ns_id, payloads, hit, _ = delete_under_a_lease(make_store, namespace, spec, chain[:3], chain[:3])
     stranger, _ = load_all(store, ns_id, spec, chain[:3])  # no lease: as if it had never been stored
     assert stranger.loaded_blocks == 0
     assert store.load_layer(ns_id, chain[0], 0, np.zeros(spec.layer_bytes, np.uint8)) is None
