@@ -1,4 +1,5 @@
-"""Placement across tiers: making room by policy, writing, write-through, demotion, promotion.
+"""Placement across tiers: making room by policy, writing, publishing (never a block that would
+be its own ancestor), write-through, demotion, promotion.
 
 ``PlacementMixin`` is half of ``TieredStore`` (kept apart to keep each file to one concern). It
 expects the host class to provide ``tiers``, ``_policies``, ``_lock`` (re-entrant), ``_leases``,
@@ -16,6 +17,7 @@ import numpy as np
 
 from kvstore.checksum import layer_checksums
 from kvstore.tiers.base import BlockMeta
+from kvstore.validation import closes_loop
 
 
 class PlacementMixin:
@@ -31,21 +33,29 @@ class PlacementMixin:
                 self._counters["promotions_in:0"] += 1
 
     def _place(self, t: int, key: bytes, payload: np.ndarray, meta: BlockMeta) -> bool:
-        """Make room in tier ``t`` by policy, write, publish. False when no room can be made, or
-        when another thread is writing the same block into the same tier (two promotions of one
-        block, say): a tier accepts each block once."""
+        """Make room in tier ``t`` by policy, write, publish. False when no room can be made; when
+        another thread is writing the same block into the same tier (two promotions of one block,
+        say: a tier accepts each block once); or when the block would close a loop with what is
+        resident (``_would_loop``). The loop check runs before making room, so nothing is evicted
+        for a block that cannot be stored, and again at publication, under the lock, where it is
+        authoritative: two puts racing to store ``[A]`` under ``B`` and ``[B]`` under ``A`` both
+        pass the check at their start, and the second to publish is refused, its bytes removed."""
         tier = self.tiers[t]
         for _ in range(3):  # another thread may take the room between eviction and write
             with self._lock:
                 if self._bits(key) >> t & 1:
                     return True
-                if (t, key) in self._placing or not self._make_room(t, meta.nbytes):
+                refused = (t, key) in self._placing or self._would_loop({key}, meta.parent)
+                if refused or not self._make_room(t, meta.nbytes):
                     return False
                 self._placing.add((t, key))
             try:
                 written = tier.write(key, payload, meta)
                 if written:
                     with self._lock:
+                        if self._would_loop({key}, meta.parent):
+                            tier.remove(key)
+                            return False
                         self._publish(t, key, meta)
             finally:
                 with self._lock:
@@ -53,6 +63,19 @@ class PlacementMixin:
             if written:
                 return True
         return False
+
+    def _would_loop(self, keys: set[bytes], parent: bytes | None) -> bool:
+        """Whether storing ``keys`` under ``parent`` now closes a loop (``validation.closes_loop``);
+        a key some tier holds keeps the parent it has. Caller holds the lock."""
+        new = {key for key in keys if not self._bits(key)}
+        return parent is not None and closes_loop(new, parent, lambda key: any(
+            policy.has_resident_children(key) for policy in self._policies), self._resident_parent)
+
+    def _resident_parent(self, key: bytes) -> bytes | None:
+        """The parent of resident ``key``; None at a chain's head or when no tier holds it."""
+        bits = self._bits(key)
+        meta = next((tier.meta(key) for t, tier in enumerate(self.tiers) if bits >> t & 1), None)
+        return None if meta is None else meta.parent
 
     def _write_through(self, key: bytes, source: int, meta: BlockMeta) -> None:
         if self.write_policy != "write_through":

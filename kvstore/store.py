@@ -40,7 +40,7 @@ from kvstore.policies import DEFAULT_POLICY, EvictionPolicy, make_policy
 from kvstore.results import LoadResult, LookupResult, PutResult, StoreStats
 from kvstore.shadows import ShadowCopies
 from kvstore.tiers.base import BlockMeta, Tier
-from kvstore.validation import check_chain, check_hashes, closes_loop
+from kvstore.validation import check_chain, check_hashes
 from kvstore.writer import BackgroundWriter
 
 WRITE_POLICIES = ("write_through", "on_eviction")
@@ -278,7 +278,8 @@ class TieredStore(PlacementMixin):
         """Store consecutive blocks of one chain. ``parent`` is the hash before ``block_hashes[0]``.
 
         Validates everything before storing anything. A block already present is a duplicate
-        (left as is); a block no tier has room for is rejected (backpressure, not an error).
+        (left as is); a block no tier has room for is rejected (backpressure, not an error), and
+        so is one a racing put has made its own ancestor meanwhile (``PlacementMixin._place``).
         """
         spec = self.spec(ns_id)
         check_hashes(block_hashes)
@@ -292,7 +293,7 @@ class TieredStore(PlacementMixin):
             check_size(view, spec.block_bytes, "block payload")
         if parent is not None:
             with self._lock:
-                if self._would_loop(ns_id, block_hashes, parent):
+                if self._would_loop({ns_id + h for h in block_hashes}, ns_id + parent):
                     raise InvalidRequest(
                         f"parent {parent.hex()} descends from a block of this put: storing it would make a "
                         "block its own ancestor (the parent must be the block before block_hashes[0])")
@@ -310,19 +311,6 @@ class TieredStore(PlacementMixin):
             self._counters["puts"] += 1
             self._counters.update({f"{k}_blocks": v for k, v in outcome.items()})
         return PutResult(outcome["stored"], outcome["duplicate"], outcome["rejected"])
-
-    def _would_loop(self, ns_id: bytes, block_hashes: Sequence[bytes], parent: bytes) -> bool:
-        """``validation.closes_loop`` over this store's tiers. Caller holds the lock."""
-        new = {ns_id + h for h in block_hashes if not self._bits(ns_id + h)}
-        return closes_loop(new, ns_id + parent,
-                           lambda key: any(policy.has_resident_children(key) for policy in self._policies),
-                           self._resident_parent)
-
-    def _resident_parent(self, key: bytes) -> bytes | None:
-        """The parent of resident ``key``; None at a chain's head or when no tier holds it."""
-        bits = self._bits(key)
-        meta = next((tier.meta(key) for t, tier in enumerate(self.tiers) if bits >> t & 1), None)
-        return None if meta is None else meta.parent
 
     def _put_one(self, key: bytes, view: np.ndarray, meta: BlockMeta) -> str:
         with self._lock:

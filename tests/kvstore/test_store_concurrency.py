@@ -18,7 +18,7 @@ import pytest
 from kvstore.errors import UnknownLease
 from kvstore.keys import namespace_hashes
 from tests.conftest import payloads_for
-from tests.kvstore.store_helpers import SLOTS4, put_chain, tokens
+from tests.kvstore.store_helpers import SLOTS4, host_resident, put_chain, tokens
 
 THREADS = 5
 OPS_PER_THREAD = 400
@@ -179,4 +179,62 @@ def test_two_loads_promoting_the_same_block_at_once(make_store, namespace, spec)
         np.testing.assert_array_equal(dst, payloads[3])
     assert store.lookup(ns_id, a).tiers[3] == "host"
     assert store.stats().tier("host").promotions_in == 1
+    store.check_integrity()
+
+
+def own_ancestors(store) -> set[bytes]:
+    """Resident blocks that are their own ancestors, walking parents through every tier's records."""
+    parents = {key: meta.parent for tier in store.tiers for key, meta in tier.items()}
+
+    def ancestors(key: bytes) -> set[bytes]:
+        seen: set[bytes] = set()
+        while (key := parents.get(key)) is not None and key not in seen:
+            seen.add(key)
+        return seen
+
+    return {key for key in parents if key in ancestors(key)}
+
+
+@pytest.mark.parametrize("disk_bytes", [None, 4 << 20], ids=["host", "host_and_disk"])
+def test_two_racing_puts_that_would_make_a_loop_store_one_block(make_store, namespace, spec, disk_bytes):
+    """``put([A], parent=B)`` and ``put([B], parent=A)`` both start while neither block is resident,
+    so both pass the check at the start of a put, and both write at once. The second to publish is
+    rejected in every tier, so no block is its own ancestor and filling the host evicts both."""
+    store = make_store(**SLOTS4, disk_bytes=disk_bytes, background_writes=False)
+    ns_id = store.register_namespace(namespace)
+    a, b = namespace_hashes(namespace, tokens(0, 2))
+    host = store.tiers[0]
+    both_writing = threading.Barrier(2, timeout=10)
+    real_write = host.write
+
+    def write_when_both_are_writing(*args, **kw):
+        both_writing.wait()  # both puts are past every check made before the bytes are written
+        return real_write(*args, **kw)
+
+    host.write = write_when_both_are_writing
+    results, errors = {}, []
+
+    def put(block: bytes, parent: bytes) -> None:
+        try:
+            results[block] = put_chain(store, ns_id, spec, [block], parent=parent)[1]
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=put, args=pair) for pair in ((a, b), (b, a))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    host.write = real_write
+    if errors:
+        raise errors[0]
+
+    assert own_ancestors(store) == set()
+    assert sorted((r.stored, r.rejected) for r in results.values()) == [(0, 1), (1, 0)]
+    assert store.stats().rejected_blocks == 1
+    loser = a if results[a].rejected else b
+    assert not any(tier.contains(ns_id + loser) for tier in store.tiers), "a rejected block left bytes behind"
+    for i in range(1, 6):  # five one-block prompts through four slots
+        assert put_chain(store, ns_id, spec, namespace_hashes(namespace, tokens(1000 * i, 1)))[1].stored == 1
+    assert host_resident(store, ns_id, [a, b]) == [False, False]
     store.check_integrity()
