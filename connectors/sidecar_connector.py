@@ -109,13 +109,15 @@ class SidecarConnector(KVConnector):
 
         def fetch_and_copy(layer_done) -> None:
             grant = self.client.get_slots(self.ns_id, hashes, self.lease_ttl_s)  # pins the whole hit
+            kept = 0  # the slots' copies the load keeps (for the sidecar's metrics): none if it fails
             try:
                 in_memory = self.client.slot_views(grant)[: len(hashes)]  # same host: mapped shared memory
                 self._scatter(pool, pages, in_memory)
                 done = len(in_memory) or self._stream_into(pool, pages, grant)  # another host: the data plane
                 self._fetch_into(pool, hashes[done:], pages[done:])
+                kept = done
             finally:
-                intact = self.client.release_grant(grant)
+                intact = self.client.release_grant(grant, kept)
             if not intact:  # the lease ran out while we copied: a slot may have been reused meanwhile
                 raise LoadFailed(f"the sidecar's lease on {len(hashes)} blocks expired during the copy")
             layer_done(self.spec.num_layers)

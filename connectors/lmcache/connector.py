@@ -164,10 +164,12 @@ class KVStoreConnector(RemoteConnector):
         if grant.lease_id is None:  # nothing present, or no lease to be had: then Get copes alone
             return self._fetch(digests) if grant.lease_refused else []
         objs: list[MemoryObj] = []
+        from_slots = 0  # the objects rebuilt from the grant's slots (for the sidecar's metrics)
         try:
             slots = self.client.slot_views(grant)  # the leading hit blocks in mapped host memory
             if not slots and grant.slots:  # another host: the data plane streams them
                 objs, complete = self._stream(grant, digests)
+                from_slots = len(objs)
                 self._count(hits_data_plane=len(objs))
                 return objs + self._fetch(digests[len(objs) : grant.hit_blocks]) if complete else objs
             for digest, slot in zip(digests, slots):
@@ -175,15 +177,17 @@ class KVStoreConnector(RemoteConnector):
                 if obj is None:
                     break
                 objs.append(obj)
+            from_slots = len(objs)
             self._count(hits_shared_memory=len(objs))
             if len(objs) < len(slots):
                 return objs
             return objs + self._fetch(digests[len(objs) : grant.hit_blocks])
         except BaseException:
             _free(objs)
+            from_slots = 0
             raise
         finally:
-            self._release(grant)
+            self._release(grant, from_slots)
 
     def _stream(self, grant, digests: List[bytes]) -> tuple[List[MemoryObj], bool]:
         """The grant's slots through the data plane, one at a time into the scratch block. Returns
@@ -243,9 +247,9 @@ class KVStoreConnector(RemoteConnector):
             return self._corrupt(digest, exc)
         return obj
 
-    def _release(self, grant) -> None:
+    def _release(self, grant, copied_blocks: int) -> None:
         try:
-            self.client.release_grant(grant)
+            self.client.release_grant(grant, copied_blocks)
         except Exception as exc:  # the lease ends by its TTL; every copy was verified on its own
             log.debug("releasing a lease on the kvstore sidecar failed: %s", exc)
 

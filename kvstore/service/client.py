@@ -176,9 +176,9 @@ class KVStoreClient:
             if verify:
                 tail = tail[: _verified_run(grant, views, copied, len(tail))]
         except BaseException:
-            self._release_if_held(grant.lease_id)
+            self._release_if_held(grant.lease_id, 0)  # the call fails: the caller keeps no copy
             raise
-        if not self._release_if_held(grant.lease_id):  # expired while we copied: the slots may be reused
+        if not self._release_if_held(grant.lease_id, copied):  # expired while we copied: the slots may be reused
             return self.load(ns_id, block_hashes, dsts)
         served = (HostTier.name,) * copied + tail
         return LoadResult(len(block_hashes), served, len(served) * grant.block_bytes)
@@ -196,9 +196,12 @@ class KVStoreClient:
             views.append(source)
         return views
 
-    def release_grant(self, grant: SlotGrant) -> bool:
-        """End the grant's lease; False when it had expired (copies taken from its slots are void)."""
-        return grant.lease_id is None or self._release_if_held(grant.lease_id)
+    def release_grant(self, grant: SlotGrant, copied_blocks: int) -> bool:
+        """End the grant's lease, saying how many of its leading slots were copied and kept (mapped
+        or streamed; the sidecar counts those as loaded, and blocks taken through Get instead where
+        Get sent them). False when the lease had expired: copies taken from its slots are void, and
+        none is counted."""
+        return grant.lease_id is None or self._release_if_held(grant.lease_id, copied_blocks)
 
     def stream_slots(self, grant: SlotGrant, dsts: Sequence, first_slot: int = 0) -> int:
         """Copy the grant's slots ``[first_slot, first_slot + len(dsts))`` into ``dsts`` through the
@@ -215,7 +218,8 @@ class KVStoreClient:
         return len(views) if self._data_plane.read(grant, views, first_slot, self._timeout) else 0
 
     def _copy_slots(self, grant: SlotGrant, views: Sequence, verify: bool) -> int:
-        """Copy the leading slots into ``views``; returns how many blocks were copied."""
+        """Copy the leading slots into ``views``; returns how many blocks were copied (with ``verify``:
+        before the first that fails its checksums, which Get then fetches again)."""
         sources = self.slot_views(grant)
         if not sources and grant.slots and grant.block_bytes == views[0].nbytes:
             sources = views[: self.stream_slots(grant, views[: len(grant.slots)])]  # streamed in place
@@ -239,10 +243,12 @@ class KVStoreClient:
                 break
         return served
 
-    def _release_if_held(self, lease_id: int) -> bool:
-        """Release ``lease_id``; False when the server no longer knows it (it expired)."""
+    def _release_if_held(self, lease_id: int, copied_blocks: int) -> bool:
+        """Release the GetSlots lease ``lease_id``, of whose slots ``copied_blocks`` were copied and
+        kept; False when the server no longer knows it (it expired)."""
+        request = pb.ReleaseRequest(lease_id=lease_id, copied_blocks=copied_blocks)
         try:
-            self.release(lease_id)
+            self._stub.Release(request, timeout=self._timeout)
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.NOT_FOUND:
                 raise
@@ -300,7 +306,8 @@ class KVStoreClient:
         self._stub.ReportPrefill(request, timeout=self._timeout)
 
     def release(self, lease_id: int) -> None:
-        """End a lease; NOT_FOUND if it was never issued, already released, or expired."""
+        """End a Lookup's lease (a GetSlots lease: ``release_grant``); NOT_FOUND if it was never
+        issued, already released, or expired."""
         self._stub.Release(pb.ReleaseRequest(lease_id=lease_id), timeout=self._timeout)
 
     def delete_namespace(self, ns_id: bytes) -> int:

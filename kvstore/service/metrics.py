@@ -3,7 +3,9 @@
 Two sources, one registry (``ServiceMetrics.registry``, served at ``/metrics``):
 
 - per call, recorded by the servicer: lookups, looked-up and hit tokens (by namespace and tier),
-  tokens loaded (by tier and path), prefill tokens saved or computed (reported by connectors),
+  tokens loaded (by tier and path: what Get sent, and at Release the GetSlots slots the client
+  says it copied, kvstore.service.granted_slots; each block handed over counts once), prefill
+  tokens saved or computed (reported by connectors),
   put outcomes, errors by method and gRPC status, and latency histograms;
 - at scrape time, read from ``store.stats()`` by ``StoreCollector``: bytes read and written,
   evictions, demotions, promotions, checksum failures and I/O errors per tier, lease expiries,
@@ -34,7 +36,7 @@ from kvstore.store import TieredStore
 
 LATENCY_BUCKETS_S = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 OTHER_NAMESPACE = "other"
-LOAD_PATHS = ("bytes", "shm")  # Get streams the bytes; GetSlots leases slots (mapped, or streamed by the data plane)
+LOAD_PATHS = ("bytes", "shm")  # what Get sent; the slots of a GetSlots grant the client copied
 
 
 @dataclass(frozen=True)
@@ -94,8 +96,9 @@ class ServiceMetrics:
         self.hit_tokens = Counter("kvstore_hit_tokens", "Tokens of the contiguous hit of Lookup calls, by the "
                                   "tier serving them", ["namespace", "tier"], registry=r)
         self.loaded_tokens = Counter("kvstore_loaded_tokens", "Tokens handed to clients, by tier and path "
-                                     "(bytes: Get; shm: GetSlots, whose slots are mapped or streamed by the data "
-                                     "plane)", ["tier", "path"], registry=r)
+                                     "(bytes: sent by Get; shm: slots of a GetSlots grant the client copied, "
+                                     "mapped or streamed by the data plane, counted at its Release)",
+                                     ["tier", "path"], registry=r)
         self.loaded_bytes = Counter("kvstore_loaded_bytes", "Payload bytes handed to clients, by tier and path",
                                     ["tier", "path"], registry=r)
         self.prefill_saved = Counter("kvstore_prefill_tokens_saved", "Prefill tokens engines skipped thanks to "
@@ -150,13 +153,18 @@ class ServiceMetrics:
             self._recent_keys -= len(recent.popleft().keys)
 
     def load(self, ns_id: bytes, tiers: Sequence[str], path: str, seconds: float) -> None:
-        """A Get (``path="bytes"``) or GetSlots (``"shm"``) that handed over blocks from ``tiers``."""
+        """A Get (``path="bytes"``) that sent blocks from ``tiers``, or a GetSlots (``"shm"``, no
+        ``tiers``: its slots count at Release, through ``loaded``), that took ``seconds``."""
+        self.loaded(ns_id, tiers, path)
+        self.load_seconds.labels(path).observe(seconds)
+        self._latency("load", seconds)
+
+    def loaded(self, ns_id: bytes, tiers: Sequence[str], path: str) -> None:
+        """Blocks from ``tiers`` handed to a client by ``path``: their tokens and bytes."""
         spec = self.store.spec(ns_id)
         for tier, blocks in collections.Counter(tiers).items():
             self.loaded_tokens.labels(tier, path).inc(blocks * spec.block_size)
             self.loaded_bytes.labels(tier, path).inc(blocks * spec.block_bytes)
-        self.load_seconds.labels(path).observe(seconds)
-        self._latency("load", seconds)
 
     def put(self, ns_id: bytes, stored: int, duplicates: int, rejected: int, nbytes: int, seconds: float) -> None:
         label = self.namespace_label(ns_id)

@@ -5,8 +5,10 @@ store's lock, and the event loop must keep serving other calls meanwhile. Errors
 ``context.abort`` with the status code of their class (``STATUS_CODES``) and the store's own
 message, and are counted in the metrics; anything else is a bug and surfaces as UNKNOWN.
 
-Each call is recorded in ``ServiceMetrics`` (kvstore.service.metrics). Per-client limits key on
-the ``kvstore-client`` metadata a client sends (else the connection's peer).
+Each call is recorded in ``ServiceMetrics`` (kvstore.service.metrics); the slots a GetSlots call
+grants count as loaded at their Release, as many as the client says it copied
+(kvstore.service.granted_slots). Per-client limits key on the ``kvstore-client`` metadata a client
+sends (else the connection's peer).
 """
 
 from __future__ import annotations
@@ -25,12 +27,14 @@ from kvstore.service import shm, wire
 from kvstore.service.chunk_codec import encode_chunk
 from kvstore.service.chunks import BlockAssembler, check_block_bytes, iter_chunks
 from kvstore.service.dataplane import DataPlaneServer
+from kvstore.service.granted_slots import GrantedLoad, GrantedSlots
 from kvstore.service.limits import ClientLeases, LimitExceeded, ServiceLimits, StreamIdle, TransferSlots
 from kvstore.service.metrics import ServiceMetrics
 from kvstore.service.staging import DEFAULT_RESERVATION_TTL_S, StagingArea
 from kvstore.service.v1 import kvstore_pb2 as pb
 from kvstore.service.v1 import kvstore_pb2_grpc
 from kvstore.store import TieredStore
+from kvstore.tiers.host import HostTier
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVStore"].full_name  # "kvstore.v1.KVStore"
 
@@ -138,6 +142,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         self._durable_puts = durable_puts
         self._transfers = TransferSlots(limits.max_concurrent_transfers, limits.max_streams_per_client)
         self._leases = ClientLeases(limits.max_leases_per_client)
+        self._granted_slots = GrantedSlots()
 
     async def _abort(self, context, method: str, exc: KVStoreError) -> None:
         code = status_code(exc)
@@ -262,9 +267,11 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
                                         list(request.block_hashes), request.lease_ttl_s)
         if grant.lease_id is not None:
             self._leases.add(client, grant.lease_id, request.lease_ttl_s)
+        if grant.slots:  # counted at Release, as many as the client copied
+            self._granted_slots.add(grant.lease_id, request.namespace_id, len(grant.slots), request.lease_ttl_s)
         if self._data_plane is not None and grant.slots:
             grant = await self._granted(grant, leased_after + request.lease_ttl_s)
-        self.metrics.load(request.namespace_id, ["host"] * len(grant.slots), "shm", time.perf_counter() - started)
+        self.metrics.load(request.namespace_id, (), "shm", time.perf_counter() - started)
         return wire.slots_to_proto(grant)
 
     @translate_errors
@@ -333,12 +340,14 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             raise StreamIdle(f"stream_idle_timeout_s={timeout_s:g}: the client {what} for that long; the stream "
                              "is ended (send or read without pausing, or split the transfer)") from None
 
-    def _lease_ended(self, lease_id: int) -> None:
+    def _lease_ended(self, lease_id: int) -> GrantedLoad | None:
         """Forget ``lease_id``; call it before the store ends the lease (the data plane's revoke
-        guarantees no slot of it is read afterwards)."""
+        guarantees no slot of it is read afterwards). Returns the slots GetSlots granted under it,
+        if any: only a Release counts them."""
         self._leases.drop(lease_id)
         if self._data_plane is not None:
             self._data_plane.revoke(lease_id)
+        return self._granted_slots.pop(lease_id)
 
     async def _put(self, ns_id: bytes, hashes: list[bytes], payloads: list, parent: bytes | None,
                    started: float) -> pb.PutResponse:
@@ -358,8 +367,11 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     @translate_errors
     async def Release(self, request, context):
         self._leases.check_owner(client_of(context), request.lease_id)
-        self._lease_ended(request.lease_id)
-        await asyncio.to_thread(self._store.release, request.lease_id)
+        granted = self._lease_ended(request.lease_id)
+        await asyncio.to_thread(self._store.release, request.lease_id)  # expired: NOT_FOUND, nothing counted
+        if granted is not None:
+            copied = granted.copied(wire.optional(request, "copied_blocks"))
+            self.metrics.loaded(granted.ns_id, [HostTier.name] * copied, "shm")
         return pb.ReleaseResponse()
 
     @translate_errors

@@ -33,7 +33,8 @@ class Summary(BaseModel):
     prefill_tokens_saved: int = Field(description="Prefill tokens engines loaded instead of computing")
     prefill_tokens_computed: int
     prefill_saved_fraction: float | None = Field(description="saved / (saved + computed)")
-    loaded_tokens_by_tier: dict[str, int] = Field(description="Tokens handed to clients (Get and GetSlots)")
+    loaded_tokens_by_tier: dict[str, int] = Field(description="Tokens handed to clients: sent by Get, or copied from "
+                                                 "GetSlots' slots (counted at their Release)")
     tiers: list[TierSummary] = Field(description="Top tier first")
     namespaces: int
     leases_active: int

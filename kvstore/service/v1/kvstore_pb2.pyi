@@ -279,10 +279,12 @@ class ReportPrefillResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("lease_id",)
+    __slots__ = ("lease_id", "copied_blocks")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    COPIED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
-    def __init__(self, lease_id: _Optional[int] = ...) -> None: ...
+    copied_blocks: int
+    def __init__(self, lease_id: _Optional[int] = ..., copied_blocks: _Optional[int] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ()

@@ -122,9 +122,11 @@ class KVStoreServicer(object):
     def GetSlots(self, request, context):
         """Same-host fast path for Get: leases the hit like Lookup and returns where the leading run of
         hit blocks held in the host tier lives inside its shared-memory segment. The caller maps
-        segment_path read-only, copies the slots, then ends the lease with Release (its bytes are
-        only guaranteed while the lease lives: a Release answering NOT_FOUND means it expired and the
-        copies must be discarded). Hit blocks past the slots (on disk) go through Get.
+        segment_path read-only, copies the slots, then ends the lease with Release, saying how many
+        slots it copied (ReleaseRequest.copied_blocks: the metrics count them as loaded then, not
+        here). Their bytes are only guaranteed while the lease lives: a Release answering NOT_FOUND
+        means it expired and the copies must be discarded. Hit blocks past the slots (on disk) go
+        through Get.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -138,7 +140,7 @@ class KVStoreServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def Release(self, request, context):
-        """End a lease taken by Lookup.
+        """End a lease taken by Lookup or GetSlots.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

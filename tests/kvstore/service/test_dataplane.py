@@ -373,9 +373,29 @@ def test_a_grant_dies_with_its_lease_and_the_copies_are_void(remote_sidecar):
     assert remote.stream_slots(grant, dsts) == 2
     time.sleep(0.4)
     assert remote.stream_slots(grant, dsts) == 0, "the expired grant streams nothing"
-    assert not remote.release_grant(grant), "the lease expired: the copies must be discarded"
+    assert not remote.release_grant(grant, copied_blocks=2), "the lease expired: the copies must be discarded"
     with pytest.raises(InvalidRequest, match="do not match slots"):
         remote.stream_slots(grant, dsts[:1] + [np.zeros(5, np.uint8)])
+
+
+def test_blocks_the_data_plane_streams_count_once_as_shm_at_release(store, start_server):
+    from kvstore.service.client import KVStoreClient
+    from kvstore.service.limits import ServiceLimits
+    from kvstore.service.server import start_data_plane
+    from tests.kvstore.service.test_metrics import loaded_tokens
+
+    data_plane = start_data_plane("127.0.0.1:0", store, ServiceLimits(), None, None)
+    server = start_server(store, data_plane=data_plane)
+    try:
+        with KVStoreClient(server.target, timeout_s=30, shared_memory=False) as remote:
+            ns_id, hashes, payloads, spec = put_v32_blocks(remote, 3, seed=3)
+            dsts = [np.zeros(spec.block_bytes, np.uint8) for _ in range(3)]
+            assert remote.load_shm(ns_id, hashes, dsts).tiers == ("host",) * 3
+            assert all(np.array_equal(d, p) for d, p in zip(dsts, payloads))
+    finally:
+        data_plane.stop()
+    assert data_plane.counters().bytes_sent == 3 * spec.block_bytes, "the data plane carried every block"
+    assert loaded_tokens(server) == {"bytes": 0, "shm": 3 * spec.block_size}
 
 
 def test_fuzzed_requests_get_a_status_or_exactly_the_granted_bytes_and_the_server_serves_on(segment):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import numpy as np
 import pytest
@@ -9,8 +11,10 @@ from fastapi.testclient import TestClient
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvstore.service.client import KVStoreClient
 from kvstore.service.http import create_http_app
 from kvstore.service.metrics import METRIC_NAMES, NamespaceLabels, ServiceMetrics
+from kvstore.service.v1 import kvstore_pb2 as pb
 from tests.conftest import payloads_for
 
 
@@ -65,6 +69,89 @@ def test_metrics_count_the_traffic_of_a_real_server(server, client, namespace, s
     exported = {name for name, _ in got}
     for name in METRIC_NAMES:
         assert any(e == name or e.startswith(name + "_") for e in exported), f"{name} is not exported"
+
+
+def loaded_tokens(server) -> dict[str, float]:
+    """``kvstore_loaded_tokens_total`` of the host tier by path ("bytes", "shm"; 0 where absent)."""
+    got = scrape(server.metrics.registry)
+    return {path: got.get(("kvstore_loaded_tokens_total", (("path", path), ("tier", "host"))), 0)
+            for path in ("bytes", "shm")}
+
+
+def test_a_client_that_can_neither_map_the_segment_nor_use_the_data_plane_counts_each_block_once(
+        server, namespace, spec, chain):
+    """GetSlots grants slots this client cannot read, so every block comes through Get: counted once, as bytes."""
+    with KVStoreClient(server.target, timeout_s=30, shared_memory=False, data_plane=False) as remote:
+        ns_id = remote.register_namespace(namespace)
+        remote.put(ns_id, chain[:3], payloads_for(spec, chain[:3]))
+        dsts = [np.zeros(spec.block_bytes, np.uint8) for _ in range(3)]
+        assert remote.load_shm(ns_id, chain[:3], dsts).tiers == ("host",) * 3  # 3 blocks of 4 tokens handed over
+    assert loaded_tokens(server) == {"bytes": 12, "shm": 0}
+
+
+def test_a_client_that_maps_the_segment_counts_each_block_once_as_shm(server, client, namespace, spec, chain):
+    ns_id = client.register_namespace(namespace)
+    client.put(ns_id, chain[:3], payloads_for(spec, chain[:3]))
+    dsts = [np.zeros(spec.block_bytes, np.uint8) for _ in range(3)]
+    assert client.load_shm(ns_id, chain[:3], dsts).tiers == ("host",) * 3
+    assert loaded_tokens(server) == {"bytes": 0, "shm": 12}
+    assert scrape(server.metrics.registry)[("kvstore_load_duration_seconds_count", (("path", "shm"),))] == 1
+
+
+def test_a_slot_that_fails_its_checksums_counts_only_through_the_get_that_fetches_it_again(
+        server, client, namespace, spec, chain):
+    ns_id = client.register_namespace(namespace)
+    client.put(ns_id, chain[:4], payloads_for(spec, chain[:4]))
+    grant = client.get_slots(ns_id, chain[:4])
+    assert client.release_grant(grant, copied_blocks=0)
+    with open(grant.segment_path, "r+b") as arena:  # a same-uid process scribbles over block 2 in the host tier
+        arena.seek(grant.slots[2].offset)
+        arena.write(b"\x5a" * 64)
+
+    dsts = [np.zeros(spec.block_bytes, np.uint8) for _ in range(4)]
+    assert client.load_shm(ns_id, chain[:4], dsts, verify=True).tiers == ("host",) * 2
+    # slots 0 and 1 were copied and kept; Get sent blocks 2 (still bad: the result ends before it) and 3
+    assert loaded_tokens(server) == {"bytes": 8, "shm": 8}
+
+
+def test_a_release_counts_the_slots_it_reports_at_most_the_granted_and_all_of_them_when_it_reports_none(
+        server, stub, client, namespace, spec, chain):
+    """A client older than ReleaseRequest.copied_blocks sends none: every granted slot counts, as before."""
+    ns_id = client.register_namespace(namespace)
+    client.put(ns_id, chain[:3], payloads_for(spec, chain[:3]))
+
+    def get_slots(blocks: int) -> int:
+        request = pb.GetSlotsRequest(namespace_id=ns_id, block_hashes=chain[:blocks], lease_ttl_s=30)
+        return stub.GetSlots(request).lease_id
+
+    stub.Release(pb.ReleaseRequest(lease_id=get_slots(3)))  # an old client: 3 slots
+    assert loaded_tokens(server) == {"bytes": 0, "shm": 12}
+    stub.Release(pb.ReleaseRequest(lease_id=get_slots(3), copied_blocks=1))
+    stub.Release(pb.ReleaseRequest(lease_id=get_slots(2), copied_blocks=7))  # capped at the 2 granted
+    stub.Release(pb.ReleaseRequest(lease_id=get_slots(3), copied_blocks=0))
+    assert loaded_tokens(server) == {"bytes": 0, "shm": 12 + 4 + 8}
+    lookup = stub.Lookup(pb.LookupRequest(namespace_id=ns_id, block_hashes=chain[:3], lease_ttl_s=30))
+    stub.Release(pb.ReleaseRequest(lease_id=lookup.lease_id, copied_blocks=3))  # a Lookup's lease grants no slot
+    assert loaded_tokens(server) == {"bytes": 0, "shm": 24}
+
+
+def test_slots_of_a_lease_that_expires_or_that_a_get_ends_count_for_nothing(server, client, namespace, spec, chain):
+    ns_id = client.register_namespace(namespace)
+    payloads = payloads_for(spec, chain[:2])
+    client.put(ns_id, chain[:2], payloads)
+    dsts = [np.zeros(spec.block_bytes, np.uint8) for _ in range(2)]
+
+    died = client.get_slots(ns_id, chain[:2], lease_ttl_s=0.2)  # a client that dies before its Release
+    late = client.get_slots(ns_id, chain[:2], lease_ttl_s=0.2)
+    time.sleep(0.4)
+    assert not client.release_grant(late, copied_blocks=2), "expired: NOT_FOUND, the copies are void"
+    assert died.lease_id is not None and loaded_tokens(server) == {"bytes": 0, "shm": 0}
+
+    taken = client.get_slots(ns_id, chain[:2])
+    assert client.load(ns_id, chain[:2], dsts, taken.lease_id).tiers == ("host",) * 2  # Get ends the lease
+    assert not client.release_grant(taken, copied_blocks=2), "the Get ended it: NOT_FOUND"
+    assert loaded_tokens(server) == {"bytes": 8, "shm": 0}
+    assert client.stats().leases_active == 0
 
 
 def test_namespace_labels_are_bounded():
