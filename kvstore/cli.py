@@ -23,6 +23,7 @@ from kvstore.config import parse_size
 from kvstore.errors import InvalidRequest, KVStoreError, describe_os_error
 from kvstore.policies import DEFAULT_POLICY, POLICIES
 from kvstore.service.cli import add_serve_parser  # light: grpc is imported only when serve runs
+from kvstore.sizing import MODELS
 from kvstore.store import WRITE_POLICIES
 
 
@@ -117,7 +118,8 @@ SWEEP_FLAGS = ("capacities", "policies", "plot")
 
 def _cmd_replay(args: argparse.Namespace) -> int:
     from kvstore.replay import default_capacities, replay, sweep
-    from kvstore.replay_report import check_plot_path, format_summary, format_sweep, parse_count, plot_sweep
+    from kvstore.replay_report import check_plot_path, format_summary, format_sweep, plot_sweep, with_bytes
+    from kvstore.sizing import parse_capacity
     from kvstore.trace import read_trace
 
     _check_replay_flags(args)
@@ -128,21 +130,23 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     if not requests:
         raise InvalidRequest(f"trace {args.trace} holds no requests")
     if args.sweep:
-        capacities = ([parse_count(c) for c in args.capacities.split(",")] if args.capacities
+        capacities = ([parse_capacity(c, args.model) for c in args.capacities.split(",")] if args.capacities
                       else default_capacities(requests, args.block_tokens))
         policies = args.policies.split(",") if args.policies else sorted(POLICIES)
         bar = progress_bars("replaying", len(requests) * len(capacities) * len(policies))
         results = sweep(requests, capacities, policies, progress=bar, **options)
-        print(json.dumps([r.as_dict() for r in results], indent=2) if args.json else format_sweep(results))
+        print(json.dumps([with_bytes(r.as_dict(), args.model) for r in results], indent=2) if args.json
+              else format_sweep(results, args.model))
         if args.plot is not None:  # after the results are out, so a failing plot loses nothing
-            plot_sweep(results, args.plot, f"{os.path.basename(args.trace)}: hit rate against capacity")
+            plot_sweep(results, args.plot, f"{os.path.basename(args.trace)}: hit rate against capacity", args.model)
         return 0
     if not args.capacity_tokens:
         raise InvalidRequest("give --capacity-tokens N (e.g. 3M), or --sweep for a range of capacities")
     bar = progress_bars("replaying", len(requests))
-    result = replay(requests, parse_count(args.capacity_tokens), args.policy, progress=bar,
+    result = replay(requests, parse_capacity(args.capacity_tokens, args.model), args.policy, progress=bar,
                     with_optimal=not args.no_optimal, **options)
-    print(json.dumps(result.as_dict(), indent=2) if args.json else format_summary(result, args.trace))
+    print(json.dumps(with_bytes(result.as_dict(), args.model), indent=2) if args.json
+          else format_summary(result, args.trace, args.model))
     return 0
 
 
@@ -229,7 +233,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     rep = sub.add_parser("replay", help="token hit rate of an eviction policy on a Mooncake-format trace")
     rep.add_argument("trace", help="JSONL trace: timestamp, input_length, output_length, hash_ids per line")
-    rep.add_argument("--capacity-tokens", help="cache capacity in tokens (e.g. 3M)")
+    rep.add_argument("--capacity-tokens", help="cache capacity in tokens (e.g. 3M), or in bytes with --model "
+                                               "(e.g. 128GiB)")
+    rep.add_argument("--model", choices=list(MODELS),
+                     help="show capacities in bytes of this model's KV too, and accept them in bytes")
     rep.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES), help=f"default {DEFAULT_POLICY}")
     rep.add_argument("--tiers", default="host", help="capacity split over tiers, fastest first: host=0.25,disk=0.75")
     rep.add_argument("--write-policy", default="on_eviction", choices=WRITE_POLICIES,
@@ -238,7 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--block-tokens", type=int, default=512, help="tokens per trace block (default 512)")
     rep.add_argument("--no-optimal", action="store_true", help="skip Belady's offline optimum")
     rep.add_argument("--sweep", action="store_true", help="hit rate at several capacities for each policy")
-    rep.add_argument("--capacities", help="with --sweep: comma-separated capacities (default: 5%%..100%% of the footprint)")
+    rep.add_argument("--capacities", help="with --sweep: comma-separated capacities, tokens or bytes as for "
+                                          "--capacity-tokens (default: 5%%..100%% of the footprint)")
     rep.add_argument("--policies", help="with --sweep: comma-separated policies (default: all)")
     rep.add_argument("--plot", help="with --sweep: write the hit-rate curve to this PNG file")
     rep.add_argument("--json", action="store_true", help="print JSON")

@@ -1,4 +1,7 @@
-"""How replay results are shown: a summary, a sweep table and a hit-rate curve (PNG)."""
+"""How replay results are shown: a summary, a sweep table with sizing, and a hit-rate curve (PNG).
+
+With a model (``kvstore.sizing``) capacities are also shown in bytes of that model's KV.
+"""
 
 from __future__ import annotations
 
@@ -7,33 +10,36 @@ from typing import Sequence
 
 from kvstore.errors import InvalidRequest
 from kvstore.replay import ReplayResult
+from kvstore.sizing import bytes_per_token, format_bytes, smallest_capacity_reaching
 
-_COUNT_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}
-
-
-def parse_count(text: str) -> int:
-    """``"3M"`` -> 3,000,000 tokens (decimal units k, M, G)."""
-    raw = text.strip().lower()
-    unit = raw[-1] if raw and raw[-1] in "kmg" else ""
-    try:
-        value = float(raw[: len(raw) - len(unit)]) * _COUNT_UNITS[unit]
-    except ValueError:
-        raise InvalidRequest(f"cannot read {text!r} as a token count; examples: 3M, 500k, 3000000") from None
-    if value <= 0:
-        raise InvalidRequest(f"token counts must be positive, got {text!r}")
-    return int(value)
+SIZING_FRACTIONS = (0.5, 0.75, 0.9)  # of the infinite-capacity maximum
 
 
 def tokens(n: int) -> str:
     return f"{n / 1e6:.2f}M" if n >= 10**6 else f"{n / 1e3:.1f}k"
 
 
-def format_summary(result: ReplayResult, trace: str) -> str:
-    split = ", ".join(f"{name} {tokens(n)}" for name, n in result.tier_capacity_tokens.items())
+def capacity(n: int, model: str | None) -> str:
+    """``n`` tokens, and with ``model`` their bytes: ``"3.00M (134.3 GiB)"``."""
+    return tokens(n) if model is None else f"{tokens(n)} ({format_bytes(n * bytes_per_token(model))})"
+
+
+def with_bytes(fields: dict, model: str | None) -> dict:
+    """A result's JSON fields, plus its capacities in bytes of ``model``'s KV when one is given."""
+    if model is None:
+        return fields
+    per_token = bytes_per_token(model)
+    return {**fields, "model": model, "bytes_per_token": per_token,
+            "capacity_bytes": fields["capacity_tokens"] * per_token,
+            "tier_capacity_bytes": {name: n * per_token for name, n in fields["tier_capacity_tokens"].items()}}
+
+
+def format_summary(result: ReplayResult, trace: str, model: str | None = None) -> str:
+    split = ", ".join(f"{name} {capacity(n, model)}" for name, n in result.tier_capacity_tokens.items())
     lines = [
         f"trace {trace}: {result.requests} requests, {tokens(result.input_tokens)} input tokens",
-        f"policy {result.policy}, capacity {tokens(result.capacity_tokens)} tokens ({split}), "
-        f"write policy {result.write_policy}",
+        f"policy {result.policy}, capacity {capacity(result.capacity_tokens, model)} tokens"
+        + (f" of {model} KV" if model else "") + f" ({split}), write policy {result.write_policy}",
         f"  token hit rate          {result.hit_rate:7.2%}",
         f"  infinite-capacity max   {result.max_hit_rate:7.2%}",
         f"  fraction of max         {result.fraction_of_max:7.2%}",
@@ -46,22 +52,43 @@ def format_summary(result: ReplayResult, trace: str) -> str:
     return "\n".join(lines)
 
 
-def format_sweep(results: Sequence[ReplayResult]) -> str:
-    """Rows: capacities; columns: each policy's hit rate (and fraction of max), then Belady."""
+def format_sweep(results: Sequence[ReplayResult], model: str | None = None) -> str:
+    """Rows: capacities; columns: each policy's hit rate (and fraction of max), then Belady; then
+    the sizing table (``format_sizing``)."""
     policies = list(dict.fromkeys(r.policy for r in results))
     by_capacity: dict[int, dict[str, ReplayResult]] = {}
     for r in results:
         by_capacity.setdefault(r.capacity_tokens, {})[r.policy] = r
-    header = f"{'capacity':>10}" + "".join(f"{p:>22}" for p in policies) + f"{'belady':>22}"
+    width = 10 if model is None else 24
+    header = f"{'capacity':>{width}}" + "".join(f"{p:>22}" for p in policies) + f"{'belady':>22}"
     lines = ["token hit rate (fraction of the infinite-capacity max)", header]
-    for capacity, row in sorted(by_capacity.items()):
+    for size, row in sorted(by_capacity.items()):
         first = next(iter(row.values()))
         cells = [f"{row[p].hit_rate:>12.2%} ({row[p].fraction_of_max:>6.1%})" for p in policies]
         optimal = first.optimal_hit_tokens or 0
         cells.append(f"{optimal / max(first.input_tokens, 1):>12.2%} ({optimal / max(first.max_hit_tokens, 1):>6.1%})")
-        lines.append(f"{tokens(capacity):>10}" + "".join(f"{c:>22}" for c in cells))
+        lines.append(f"{capacity(size, model):>{width}}" + "".join(f"{c:>22}" for c in cells))
     first = results[0]
     lines.append(f"infinite-capacity max: {first.max_hit_rate:.2%} of input tokens")
+    return "\n".join(lines + ["", format_sizing(results, model)])
+
+
+def format_sizing(results: Sequence[ReplayResult], model: str | None = None) -> str:
+    """For each fraction of the maximum in ``SIZING_FRACTIONS``: the least capacity measured that
+    keeps it, per policy and for Belady's optimum (what no policy can beat)."""
+    policies = list(dict.fromkeys(r.policy for r in results))
+    curves = {p: [(r.capacity_tokens, r.fraction_of_max) for r in results if r.policy == p] for p in policies}
+    curves["belady"] = sorted({(r.capacity_tokens, r.optimal_hit_tokens / max(r.max_hit_tokens, 1))
+                               for r in results if r.optimal_hit_tokens is not None})
+    width = 12 if model is None else 26
+    lines = ["capacity to keep a fraction of the max (the least measured; the exact one lies between it and "
+             "the capacity below)", f"{'of max':>8}" + "".join(f"{name:>{width}}" for name in curves)]
+    for fraction in SIZING_FRACTIONS:
+        cells = []
+        for points in curves.values():
+            least = smallest_capacity_reaching(points, fraction)
+            cells.append("not reached" if least is None else capacity(least, model))
+        lines.append(f"{fraction:>8.0%}" + "".join(f"{c:>{width}}" for c in cells))
     return "\n".join(lines)
 
 
@@ -87,8 +114,9 @@ def _plot_formats() -> set[str]:
     return set(FigureCanvasBase.get_supported_filetypes())
 
 
-def plot_sweep(results: Sequence[ReplayResult], path: str, title: str) -> None:
-    """Hit rate against capacity, one line per policy, Belady dashed, the max as a ceiling."""
+def plot_sweep(results: Sequence[ReplayResult], path: str, title: str, model: str | None = None) -> None:
+    """Hit rate against capacity, one line per policy, Belady dashed, the max as a ceiling; with
+    ``model``, a second capacity axis in GiB of its KV."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -102,6 +130,10 @@ def plot_sweep(results: Sequence[ReplayResult], path: str, title: str) -> None:
     ax.plot([c / 1e6 for c, _ in optimal], [h * 100 for _, h in optimal], "k--", marker="x", label="Belady (offline optimum)")
     ax.axhline(results[0].max_hit_rate * 100, color="grey", linestyle=":", label="infinite capacity")
     ax.set_xlabel("cache capacity (million tokens)")
+    if model is not None:
+        gib_per_million = bytes_per_token(model) * 1e6 / 2**30
+        top = ax.secondary_xaxis("top", functions=(lambda m: m * gib_per_million, lambda g: g / gib_per_million))
+        top.set_xlabel(f"GiB of {model} KV")
     ax.set_ylabel("token hit rate (% of input tokens)")
     ax.set_title(title)
     ax.grid(True, alpha=0.3)

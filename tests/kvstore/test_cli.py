@@ -163,3 +163,31 @@ def test_a_missing_shared_memory_directory_is_one_line_without_a_traceback(tmp_p
                    "--address", "127.0.0.1:0", env={"KVSTORE_SHM_DIR": str(tmp_path / "missing")}, timeout=60)
     assert (done.returncode, done.stdout) == (2, "")
     assert done.stderr == f"kvstore serve: cannot access {tmp_path}/missing: No such file or directory\n"
+
+
+def test_replay_with_a_model_takes_and_shows_capacities_in_bytes(capsys, trace):
+    per_token = 48068  # deepseek-v3.2: 61 layers x (656 fp8 MLA + 132 fp8 indexer) bytes
+    code, out, err = run_main(capsys, "replay", trace, "--capacity-tokens", f"{4000 * per_token}B",
+                              "--model", "deepseek-v3.2", "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["capacity_tokens"] == 4000 and result["capacity_bytes"] == 4000 * per_token
+    assert result["tier_capacity_bytes"] == {"host": result["tier_capacity_tokens"]["host"] * per_token}
+    code, out, err = run_main(capsys, "replay", trace, "--capacity-tokens", "4k", "--model", "deepseek-v3.2")
+    assert code == 0 and "capacity 4.0k (183.4 MiB) tokens of deepseek-v3.2 KV" in out
+
+
+def test_a_sweep_says_what_capacity_keeps_each_fraction_of_the_max(capsys, trace):
+    # six requests share blocks 1 and 2 (1024 tokens, always hit after the first); 1.5k tokens hold them
+    code, out, err = run_main(capsys, "replay", trace, "--sweep", "--capacities", "512,1.5k,10k", "--policies", "lru",
+                              "--model", "deepseek-v3")
+    assert code == 0, err
+    sizing = out[out.index("capacity to keep a fraction of the max"):].splitlines()
+    assert sizing[1].split() == ["of", "max", "lru", "belady"]
+    assert sizing[2].split()[:3] == ["50%", "1.5k", "(100.5"]  # 1,500 tokens x 70,272 bytes = 100.5 MiB
+    assert [row.split()[0] for row in sizing[2:]] == ["50%", "75%", "90%"]
+
+
+def test_a_capacity_in_bytes_needs_a_model(capsys, trace):
+    code, out, err = run_main(capsys, "replay", trace, "--capacity-tokens", "1GiB")
+    assert (code, out) == (2, "") and "'1GiB' is a size in bytes: give --model" in err

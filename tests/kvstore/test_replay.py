@@ -10,7 +10,7 @@ import pytest
 from kvstore.errors import InvalidRequest
 from kvstore.policies import DEFAULT_POLICY
 from kvstore.replay import TierSplit, default_capacities, replay, sweep
-from kvstore.replay_report import format_summary, format_sweep, parse_count
+from kvstore.replay_report import format_summary, format_sweep
 from kvstore.trace import TraceRequest, write_trace
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -67,17 +67,6 @@ def test_default_capacities_span_the_footprint():
     trace = [req(*range(i * 10, i * 10 + 10)) for i in range(10)]  # 100 distinct blocks
     caps = default_capacities(trace)
     assert caps[0] == 5 * B and caps[-1] == 100 * B
-
-
-@pytest.mark.parametrize("text, expected", [("3M", 3_000_000), ("500k", 500_000), ("1.5M", 1_500_000), ("42", 42)])
-def test_parse_count(text, expected):
-    assert parse_count(text) == expected
-
-
-@pytest.mark.parametrize("bad", ["lots", "-3M", "0"])
-def test_parse_count_refuses_garbage(bad):
-    with pytest.raises(InvalidRequest):
-        parse_count(bad)
 
 
 @pytest.mark.parametrize("text", ["host=0.5", "host=0.5,host=0.5", "host=x", "host=1.5,disk=-0.5"])
