@@ -19,6 +19,7 @@ pinned block is never evicted or removed.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import Counter
@@ -45,6 +46,7 @@ from kvstore.writer import BackgroundWriter
 
 WRITE_POLICIES = ("write_through", "on_eviction")
 MAX_LEASE_TTL_S = 3600.0  # a lease covers a read that follows its lookup, not storage
+log = logging.getLogger(__name__)
 
 
 class TieredStore(PlacementMixin):
@@ -381,7 +383,9 @@ class TieredStore(PlacementMixin):
     def _adopt_resident_blocks(self) -> None:
         """Rebuild the directory and policies from what persistent tiers already hold.
 
-        Parents are inserted before their children so chain structure survives a restart.
+        Parents are inserted before their children so chain structure survives a restart. Blocks
+        that are their own ancestors (written before ``put`` refused loops) are removed, not
+        adopted: none of them would ever be a leaf, so none could ever be evicted.
         """
         for t, tier in enumerate(self.tiers):
             metas = dict(tier.items())
@@ -392,6 +396,12 @@ class TieredStore(PlacementMixin):
                     chain.append(key)
                     done.add(key)
                     key = metas[key].parent
+                if key in chain:  # the walk came back into its own chain: chain[at:] is a loop
+                    at = chain.index(key)
+                    for k in chain[at:]:
+                        tier.remove(k)
+                    log.warning("%s tier: removed %d blocks that were their own ancestors", tier.name, len(chain) - at)
+                    chain = chain[:at]
                 for k in reversed(chain):
                     self._publish(t, k, metas[k])
             while tier.used_bytes > tier.capacity_bytes and self._make_room_for_shrink(t):

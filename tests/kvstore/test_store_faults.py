@@ -282,3 +282,29 @@ def test_a_block_re_put_after_its_children_stayed_is_no_loop(make_store, namespa
     store.put(ns_id, chain[2:4], payloads_for(spec, chain[2:4]), parent=chain[1])  # children first
     assert store.put(ns_id, chain[1:2], payloads_for(spec, chain[1:2]), parent=chain[0]).stored == 1
     store.check_integrity()
+
+
+def test_a_loop_already_on_disk_is_removed_at_restart_not_adopted(make_store, tmp_path, namespace, spec, chain):
+    """Blocks written as each other's ancestors before ``put`` refused loops: adopting them would
+    leave blocks no policy can ever evict. They are removed; the rest of the tier is adopted."""
+    from kvstore.checksum import layer_checksums
+    from kvstore.tiers.base import BlockMeta
+    from kvstore.tiers.disk import DiskTier
+
+    ns_id = namespace.id
+    a, b, c, head = (ns_id + h for h in chain[:4])
+    parents = {a: b, b: a, c: a, head: None}  # a <-> b loop, c hangs off it, head is a clean chain
+    disk = DiskTier(str(tmp_path / "disk"), 4 << 20, segment_bytes=1 << 20, durable=False)
+    for key, parent in parents.items():
+        payload = payloads_for(spec, [key[16:]])[0]
+        disk.write(key, payload, BlockMeta(spec.block_bytes, spec.num_layers,
+                                           layer_checksums(payload, spec.num_layers), parent))
+    disk.close()
+
+    store = make_store(host_bytes=None, disk_dir=tmp_path / "disk", background_writes=False)
+    tier = store.tiers[0]
+    assert not tier.contains(a) and not tier.contains(b)
+    assert tier.contains(head) and tier.contains(c)  # an orphan now: a leaf, evictable
+    store.register_namespace(namespace)
+    assert store.lookup(ns_id, [chain[3]]).hit_blocks == 1
+    store.check_integrity()
