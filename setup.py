@@ -25,7 +25,8 @@ def pkg_config(*args: str) -> list[str] | None:
     return shlex.split(out)
 
 
-NATIVE_HEADERS = ["kvstore/service/dataplane_native/common.h", "kvstore/service/dataplane_native/wire.h"]
+NATIVE_HEADERS = ["kvstore/service/dataplane_native/common.h", "kvstore/service/dataplane_native/streams.h",
+                  "kvstore/service/dataplane_native/wire.h"]
 
 
 def dataplane_extension() -> list[Extension]:

@@ -9,7 +9,8 @@ gRPC server in the sidecar process, the ``kvstore.v1.BlockData`` service:
                                  tier's segment, ending 50 ms before the lease's TTL
     ReadSlots (C++, data)        presents the token and a range of its slots; their bytes stream
                                  back in order, each chunk copied out of the mapped segment under
-                                 the grant's lock after checking it is live
+                                 the grant's lock after checking it is live; a stream that waits on
+                                 its client for stream_idle_timeout_s is ended, as Get's is
     Release (Python, control)    revokes the grant (a running stream stops), then ends the lease;
                                  NOT_FOUND means the lease expired and the copies must be
                                  discarded (as for shm)
@@ -38,7 +39,7 @@ from kvstore.errors import InvalidRequest, KVStoreError
 
 log = logging.getLogger(__name__)
 
-ABI_VERSION = 4  # kvdp_abi_version() of the library these declarations match
+ABI_VERSION = 5  # kvdp_abi_version() of the library these declarations match
 GRANT_BYTES = 16
 MAX_CHUNK_BYTES = 16 << 20  # dataplane_native/server.cc: kMaxChunkBytes
 PROTOCOL_ERROR = -1  # kvdp_client_read: the stream's bytes did not fit the buffers
@@ -79,7 +80,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     c = ctypes
     lib.kvdp_server_start.restype = c.c_void_p
     lib.kvdp_server_start.argtypes = [c.c_char_p, c.c_char_p, c.c_char_p, c.c_char_p, c.c_char_p, c.c_uint32,
-                                      c.c_uint32, c.c_uint32, c.POINTER(c.c_int), c.c_char_p, c.c_size_t]
+                                      c.c_uint32, c.c_uint32, c.c_double, c.POINTER(c.c_int), c.c_char_p,
+                                      c.c_size_t]
     lib.kvdp_server_grant.argtypes = [c.c_void_p, c.c_char_p, c.c_size_t, c.c_size_t, c.POINTER(c.c_uint64),
                                       c.POINTER(c.c_uint64), c.c_double, c.c_char_p, c.c_size_t]
     lib.kvdp_server_revoke.argtypes = [c.c_void_p, c.c_char_p, c.c_size_t]
@@ -129,11 +131,15 @@ class DataPlaneServer:
     at ``segment_path`` (the host tier's), mapped read-only. ``tls``: (cert chain, key) PEM bytes;
     ``token``: the bearer token every call must carry. Grants are keyed by lease id here. Past
     ``max_streams`` concurrent ReadSlots calls, or ``max_streams_per_client`` of one client (its
-    ``kvstore-client`` metadata), a call is RESOURCE_EXHAUSTED naming the limit."""
+    ``kvstore-client`` metadata), a call is RESOURCE_EXHAUSTED naming the limit. A stream that waits
+    on its client for ``stream_idle_timeout_s`` (no request sent, or a message not taken: a client
+    that stops reading stalls the server's write) is ended DEADLINE_EXCEEDED, within a quarter of
+    that (10 ms to 1 s) after, and gives its place back; one whose write is stalled past its grant's
+    deadline is ended NOT_FOUND the same way."""
 
     def __init__(self, address: str, segment_path: str, *, tls: tuple[bytes, bytes] | None = None,
                  token: str | None = None, max_chunk_bytes: int = 1 << 20, max_streams: int = 16,
-                 max_streams_per_client: int = 8):
+                 max_streams_per_client: int = 8, stream_idle_timeout_s: float = 30.0):
         lib = _require()
         if address.startswith("unix:") or ":" not in address:
             raise InvalidRequest(f"the data plane listens on HOST:PORT, got {address!r}")
@@ -141,7 +147,7 @@ class DataPlaneServer:
         cert, key = (tls[0], tls[1]) if tls else (None, None)
         self._handle = lib.kvdp_server_start(address.encode(), segment_path.encode(), cert, key, _cstr(token),
                                              max_chunk_bytes, max_streams, max_streams_per_client,
-                                             ctypes.byref(port), err, _ERR_BYTES)
+                                             stream_idle_timeout_s, ctypes.byref(port), err, _ERR_BYTES)
         if not self._handle:
             raise InvalidRequest(f"the data plane cannot start: {err.value.decode()}; give --data-address "
                                  "HOST:PORT or 'off'")

@@ -14,8 +14,9 @@ caller can tell which one to split around or raise. Defaults, and what they boun
     max_reservations_per_client 8     staging reservations (ReserveSlots) one client holds at once
     max_namespaces            4096    namespaces registered in the sidecar's store (each one costs
                                       memory for good: a client must not register them endlessly)
-    stream_idle_timeout_s     30.0    seconds a Get or Put stream waits on its client for the next
-                                      message (or to take one) before it fails DEADLINE_EXCEEDED
+    stream_idle_timeout_s     30.0    seconds a Get or Put stream (or the native data plane's
+                                      ReadSlots) waits on its client for the next message (or to
+                                      take one) before it fails DEADLINE_EXCEEDED
 
 A client is what its ``kvstore-client`` metadata names (``KVStoreClient`` sends a random id per
 instance), else its connection's peer address.

@@ -271,8 +271,9 @@ class DataPlaneCollector:
         ("kvstore_dataplane_calls", "calls", "ReadSlots calls the native data plane received"),
         ("kvstore_dataplane_sent_bytes", "bytes_sent", "Payload bytes the native data plane streamed"),
         ("kvstore_dataplane_refused", "refused", "ReadSlots calls refused (unknown or expired grant, bad "
-         "request, no token)"),
-        ("kvstore_dataplane_cut_short", "cut_short", "ReadSlots streams the client cancelled or dropped"),
+         "request or none within stream_idle_timeout_s, no token, over a stream limit)"),
+        ("kvstore_dataplane_cut_short", "cut_short", "ReadSlots streams ended early: the client cancelled or "
+         "dropped them, their grant ended, or they stalled past stream_idle_timeout_s"),
     )
 
     def __init__(self, data_plane):

@@ -207,7 +207,8 @@ def start_data_plane(address: str | None, store: TieredStore, limits: ServiceLim
     data_plane = DataPlaneServer(address, host.segment_path, tls=tls, token=token,
                                  max_chunk_bytes=min(limits.max_chunk_bytes, dataplane.MAX_CHUNK_BYTES),
                                  max_streams=limits.max_concurrent_transfers,
-                                 max_streams_per_client=limits.max_streams_per_client)
+                                 max_streams_per_client=limits.max_streams_per_client,
+                                 stream_idle_timeout_s=limits.stream_idle_timeout_s)
     log.info("native data plane on %s", bound_address(address, data_plane.port))
     return data_plane
 

@@ -13,6 +13,13 @@
 // zero-copy slice of the mapping would be read by the transport at send time, possibly after
 // the slot was reused for another tenant's block.
 //
+// A stream holds one of the stream limits' places until it ends, so a client that stops reading
+// (HTTP/2 flow control then stalls the server's write: keepalive pings find dead peers only) or
+// never sends its request must not hold it for good. As on the Python Get and Put, a stream that
+// waits on its client for stream_idle_timeout_s is ended DEADLINE_EXCEEDED; one whose write is
+// stalled past its grant's deadline is ended NOT_FOUND. A reaper thread (Reaper, streams.h) finds
+// them; a stalled write never completes, so the reactor itself never runs to notice.
+//
 // The control plane stays in Python: GetSlots leases the blocks and registers a grant here (a
 // random token naming segment regions, valid until the lease ends or its TTL passes); each
 // ReadSlots presents the token and a range of those regions and receives their bytes in order,
@@ -22,9 +29,10 @@
 // A C ABI for ctypes (kvstore/service/dataplane.py), not a Python module: functions return 0 or
 // a gRPC status code and write a message into the caller's error buffer.
 //
-// This file: the server (grants, stream limits, the ReadSlots reactor) and its C ABI;
-// client.cc is the client, wire.h the messages.
+// This file: the server (grants, the ReadSlots reactor) and its C ABI; streams.h bounds the
+// streams (how many, how long), client.cc is the client, wire.h the messages.
 
+#include <grpc/grpc.h>
 #include <grpcpp/generic/async_generic_service.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/security/server_credentials.h>
@@ -43,10 +51,13 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common.h"
+#include "streams.h"
 #include "wire.h"
 
 namespace kvdp {
@@ -95,13 +106,25 @@ class ReadSlotsReactor : public grpc::ServerGenericBidiReactor {
   void OnWriteDone(bool ok) override;
   void OnDone() override;
 
+  // The status to end the stream with, if it has waited on its client for idle_timeout by now,
+  // or its write is stalled past its grant's deadline. Called by the reaper (any thread).
+  std::optional<grpc::Status> overdue(Clock::time_point now, Clock::duration idle_timeout);
+  grpc_call* call() const { return call_; }
+
  private:
+  enum class Waiting { kNothing, kRequest, kWrite };
+
   void refuse(grpc::StatusCode code, const std::string& message);
   void write_next();
+  void wait_on(Waiting what);  // before the operation starts: it may complete at once
 
   DataPlaneServer* server_;
+  grpc_call* call_;
   std::string client_;
-  bool counted_ = false;  // holds one of the stream limits' places until OnDone
+  bool counted_ = false;  // holds one of the stream limits' places, and is reaped, until OnDone
+  std::mutex waiting_mutex_;  // waiting_on_ and waiting_since_: the callbacks write, the reaper reads
+  Waiting waiting_on_ = Waiting::kNothing;
+  Clock::time_point waiting_since_;
   grpc::ByteBuffer request_;
   grpc::ByteBuffer response_;
   std::shared_ptr<Grant> grant_;
@@ -111,40 +134,7 @@ class ReadSlotsReactor : public grpc::ServerGenericBidiReactor {
   uint64_t offset_ = 0;
 };
 
-// Streams in progress, in all and per client (its kvstore-client metadata, else its peer): past
-// either limit a call is refused, not queued, like the KVStore service's Get and Put.
-class StreamLimits {
- public:
-  StreamLimits(uint32_t limit, uint32_t per_client) : limit_(limit), per_client_(per_client) {}
-
-  // Empty when the stream may start (it then counts until end(client)); else why not.
-  std::string begin(const std::string& client) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (active_ >= limit_)
-      return "max_concurrent_transfers=" + std::to_string(limit_) +
-             " streams are already running; retry shortly or raise the limit";
-    if (by_client_[client] >= per_client_)
-      return "max_streams_per_client=" + std::to_string(per_client_) +
-             ": this client already runs that many streams; wait for one to finish";
-    ++active_;
-    ++by_client_[client];
-    return "";
-  }
-
-  void end(const std::string& client) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    --active_;
-    if (--by_client_[client] == 0) by_client_.erase(client);
-  }
-
- private:
-  uint32_t limit_;
-  uint32_t per_client_;
-  std::mutex mutex_;
-  uint32_t active_ = 0;
-  std::map<std::string, uint32_t> by_client_;
-};
-
+// Whom a stream counts against in StreamLimits: its kvstore-client metadata, else its peer.
 std::string client_of(grpc::GenericCallbackServerContext* context) {
   const auto& metadata = context->client_metadata();
   auto it = metadata.find("kvstore-client");
@@ -154,11 +144,14 @@ std::string client_of(grpc::GenericCallbackServerContext* context) {
 class DataPlaneServer : public grpc::CallbackGenericService {
  public:
   DataPlaneServer(const uint8_t* base, size_t size, std::string bearer, uint32_t max_chunk_bytes,
-                  uint32_t max_streams, uint32_t max_streams_per_client)
-      : streams(max_streams, max_streams_per_client), base_(base), size_(size), bearer_(std::move(bearer)),
+                  uint32_t max_streams, uint32_t max_streams_per_client, double stream_idle_timeout_s)
+      : streams(max_streams, max_streams_per_client),
+        reaper(std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(stream_idle_timeout_s))),
+        idle_limit(idle_limit_name(stream_idle_timeout_s)), base_(base), size_(size), bearer_(std::move(bearer)),
         max_chunk_bytes_(max_chunk_bytes) {}
 
   ~DataPlaneServer() override {
+    reaper.stop();
     if (base_ != nullptr) munmap(const_cast<uint8_t*>(base_), size_);
   }
 
@@ -247,10 +240,18 @@ class DataPlaneServer : public grpc::CallbackGenericService {
 
   Counters counters;
   StreamLimits streams;
+  Reaper<ReadSlotsReactor> reaper;
+  const std::string idle_limit;  // "stream_idle_timeout_s=30", as the Python path's errors name it
   std::unique_ptr<grpc::Server> server;
   std::atomic<bool> shut_down{false};
 
  private:
+  static std::string idle_limit_name(double seconds) {
+    char text[64];
+    std::snprintf(text, sizeof text, "stream_idle_timeout_s=%g", seconds);  // Python's :g
+    return text;
+  }
+
   void purge_expired_locked() {
     auto now = Clock::now();
     for (auto it = grants_.begin(); it != grants_.end();) it = it->second->deadline <= now ? grants_.erase(it) : ++it;
@@ -265,7 +266,7 @@ class DataPlaneServer : public grpc::CallbackGenericService {
 };
 
 ReadSlotsReactor::ReadSlotsReactor(DataPlaneServer* server, grpc::GenericCallbackServerContext* context)
-    : server_(server) {
+    : server_(server), call_(context->c_call()) {
   server_->counters.calls++;
   if (context->method() != kMethod) {
     refuse(grpc::StatusCode::UNIMPLEMENTED, "the data plane serves " + std::string(kMethod) + " only");
@@ -276,6 +277,8 @@ ReadSlotsReactor::ReadSlotsReactor(DataPlaneServer* server, grpc::GenericCallbac
     std::string why = server_->streams.begin(client_);
     counted_ = why.empty();
     if (counted_) {
+      server_->reaper.track(this);
+      wait_on(Waiting::kRequest);
       StartRead(&request_);
     } else {
       refuse(grpc::StatusCode::RESOURCE_EXHAUSTED, why);
@@ -288,7 +291,30 @@ void ReadSlotsReactor::refuse(grpc::StatusCode code, const std::string& message)
   Finish(grpc::Status(code, message));
 }
 
+void ReadSlotsReactor::wait_on(Waiting what) {
+  std::lock_guard<std::mutex> lock(waiting_mutex_);
+  waiting_on_ = what;
+  waiting_since_ = Clock::now();
+}
+
+std::optional<grpc::Status> ReadSlotsReactor::overdue(Clock::time_point now, Clock::duration idle_timeout) {
+  std::lock_guard<std::mutex> lock(waiting_mutex_);
+  if (waiting_on_ == Waiting::kRequest && now - waiting_since_ >= idle_timeout)
+    return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
+                        server_->idle_limit + ": the client sent no ReadSlotsRequest for that long; the stream is "
+                                              "ended (send the request as the stream opens)");
+  if (waiting_on_ != Waiting::kWrite) return std::nullopt;
+  if (now - waiting_since_ >= idle_timeout)
+    return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
+                        server_->idle_limit + ": the client took no ReadSlots message for that long; the stream is "
+                                              "ended (read without pausing, or fewer slots per call)");
+  if (now >= grant_->deadline)  // grant_ was set before the first kWrite, under this mutex since
+    return grpc::Status(grpc::StatusCode::NOT_FOUND, "the grant's lease ended during the stream: discard what arrived");
+  return std::nullopt;
+}
+
 void ReadSlotsReactor::OnReadDone(bool ok) {
+  wait_on(Waiting::kNothing);
   ReadRequest request;
   if (!ok) return refuse(grpc::StatusCode::INVALID_ARGUMENT, "ReadSlots needs one ReadSlotsRequest");
   if (!parse_request(&request_, &request))
@@ -324,11 +350,13 @@ void ReadSlotsReactor::write_next() {
   response_ = grpc::ByteBuffer(slices, 2);
   offset_ += n;
   server_->counters.bytes += n;
+  wait_on(Waiting::kWrite);
   StartWrite(&response_);
 }
 
 void ReadSlotsReactor::OnWriteDone(bool ok) {
-  if (!ok) {  // the client went away or the call was cancelled
+  wait_on(Waiting::kNothing);
+  if (!ok) {  // the client went away, or the call was cancelled (by it, the reaper or shutdown)
     server_->counters.failed++;
     return Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the stream was cancelled"));
   }
@@ -336,7 +364,10 @@ void ReadSlotsReactor::OnWriteDone(bool ok) {
 }
 
 void ReadSlotsReactor::OnDone() {
-  if (counted_) server_->streams.end(client_);
+  if (counted_) {
+    server_->reaper.untrack(this);  // before the context (so call_) and this reactor go
+    server_->streams.end(client_);
+  }
   delete this;
 }
 
@@ -355,21 +386,28 @@ using namespace kvdp;  // the C ABI below wraps the classes above
 extern "C" {
 
 // Bumped whenever a signature below changes: dataplane.py refuses a library of another version.
-int kvdp_abi_version() { return 4; }
+int kvdp_abi_version() { return 5; }
 
 // Starts a server on address (HOST:PORT, port 0 picks one) over the segment file at segment_path,
 // mapped read-only. cert_pem/key_pem: TLS (both or neither); bearer: required token, or NULL.
 // max_streams, max_streams_per_client: concurrent ReadSlots calls past which one is refused.
-// Returns a handle and the bound port, or NULL with a message.
+// stream_idle_timeout_s: how long a stream may wait on its client (for its request, or for a
+// write to be taken) before it is ended DEADLINE_EXCEEDED. Returns a handle and the bound port,
+// or NULL with a message.
 void* kvdp_server_start(const char* address, const char* segment_path, const char* cert_pem, const char* key_pem,
                         const char* bearer, uint32_t max_chunk_bytes, uint32_t max_streams,
-                        uint32_t max_streams_per_client, int* port, char* err, size_t errlen) {
+                        uint32_t max_streams_per_client, double stream_idle_timeout_s, int* port, char* err,
+                        size_t errlen) {
   if (max_chunk_bytes == 0 || max_chunk_bytes > kMaxChunkBytes) {
     set_error(err, errlen, "max_chunk_bytes must be in (0, 16 MiB]");
     return nullptr;
   }
   if (max_streams == 0 || max_streams_per_client == 0) {
     set_error(err, errlen, "the stream limits must be positive");
+    return nullptr;
+  }
+  if (!(stream_idle_timeout_s > 0 && stream_idle_timeout_s <= kMaxTtlS)) {  // also refuses NaN
+    set_error(err, errlen, "stream_idle_timeout_s must be in (0, 30 days]");
     return nullptr;
   }
   int fd = open(segment_path, O_RDONLY | O_CLOEXEC);
@@ -393,13 +431,13 @@ void* kvdp_server_start(const char* address, const char* segment_path, const cha
     return nullptr;
   }
   auto* server = new DataPlaneServer(static_cast<const uint8_t*>(base), st.st_size, bearer ? bearer : "",
-                                     max_chunk_bytes, max_streams, max_streams_per_client);
+                                     max_chunk_bytes, max_streams, max_streams_per_client, stream_idle_timeout_s);
   grpc::ServerBuilder builder;
   builder.AddListeningPort(address, server_credentials(cert_pem, key_pem), port);
   builder.SetMaxReceiveMessageSize(64 << 10);  // requests are a token and a number
   builder.AddChannelArgument("grpc.http2.lookahead_bytes", kLookaheadBytes);
   builder.AddChannelArgument("grpc.so_reuseport", 0);  // a port in use is an error, not a shared port
-  builder.AddChannelArgument("grpc.keepalive_time_ms", 60000);  // find dead peers holding streams
+  builder.AddChannelArgument("grpc.keepalive_time_ms", 60000);  // dead peers; live ones that stall: Reaper
   builder.AddChannelArgument("grpc.keepalive_timeout_ms", 20000);
   builder.RegisterCallbackGenericService(server);
   server->server = builder.BuildAndStart();
@@ -441,6 +479,7 @@ void kvdp_server_counters(void* handle, uint64_t* out) {
 void kvdp_server_shutdown(void* handle, double grace_s) {
   auto* server = static_cast<DataPlaneServer*>(handle);
   if (server->server == nullptr || server->shut_down.exchange(true)) return;
+  server->reaper.stop();  // no call reference outlives the server; the grace's end cancels any stall
   grace_s = std::min(std::max(grace_s, 0.0), kMaxTtlS);
   server->server->Shutdown(std::chrono::system_clock::now() +
                            std::chrono::duration_cast<std::chrono::system_clock::duration>(

@@ -311,6 +311,8 @@ def test_start_errors_name_the_problem(segment, served, tmp_path):
         DataPlaneServer("127.0.0.1:0", str(tmp_path / "missing"))
     with pytest.raises(InvalidRequest, match="HOST:PORT"):
         DataPlaneServer("unix:/tmp/x.sock", segment[0])
+    with pytest.raises(InvalidRequest, match=r"stream_idle_timeout_s must be in \(0, 30 days\]"):
+        DataPlaneServer("127.0.0.1:0", segment[0], stream_idle_timeout_s=0)
 
 
 @pytest.mark.parametrize("target, host", [
