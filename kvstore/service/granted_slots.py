@@ -24,14 +24,20 @@ from __future__ import annotations
 import heapq
 import time
 from dataclasses import dataclass
+from typing import Sequence
 
 
 @dataclass(frozen=True)
 class GrantedLoad:
-    """``slots`` leading hit blocks of namespace ``ns_id`` a GetSlots call granted, uncounted yet."""
+    """The leading hit blocks ``block_hashes`` of namespace ``ns_id`` whose slots a GetSlots call
+    granted, uncounted yet."""
 
     ns_id: bytes
-    slots: int
+    block_hashes: tuple[bytes, ...]
+
+    @property
+    def slots(self) -> int:
+        return len(self.block_hashes)
 
     def copied(self, reported: int | None) -> int:
         """The blocks to count at a successful Release that reported ``reported`` (None: unset)."""
@@ -45,12 +51,13 @@ class GrantedSlots:
         self._loads: dict[int, tuple[GrantedLoad, float]] = {}  # lease -> (load, deadline)
         self._deadlines: list[tuple[float, int]] = []  # heap of (deadline, lease); stale once popped
 
-    def add(self, lease_id: int, ns_id: bytes, slots: int, ttl_s: float) -> None:
-        """Hold a grant of ``slots`` slots under ``lease_id`` for at most ``ttl_s`` seconds from now
-        (no earlier than the store's lease on it ends: the store took it before this call)."""
+    def add(self, lease_id: int, ns_id: bytes, block_hashes: Sequence[bytes], ttl_s: float) -> None:
+        """Hold a grant of the slots of ``block_hashes`` under ``lease_id`` for at most ``ttl_s``
+        seconds from now (no earlier than the store's lease on it ends: the store took it before
+        this call)."""
         now = time.monotonic()
         self._forget_expired(now)
-        self._loads[lease_id] = (GrantedLoad(ns_id, slots), now + ttl_s)
+        self._loads[lease_id] = (GrantedLoad(ns_id, tuple(block_hashes)), now + ttl_s)
         heapq.heappush(self._deadlines, (now + ttl_s, lease_id))
         if len(self._deadlines) > 2 * len(self._loads) + 16:  # mostly popped grants: rebuild
             self._deadlines = [(deadline, lease) for lease, (_, deadline) in self._loads.items()]

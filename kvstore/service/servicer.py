@@ -268,7 +268,8 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         if grant.lease_id is not None:
             self._leases.add(client, grant.lease_id, request.lease_ttl_s)
         if grant.slots:  # counted at Release, as many as the client copied
-            self._granted_slots.add(grant.lease_id, request.namespace_id, len(grant.slots), request.lease_ttl_s)
+            self._granted_slots.add(grant.lease_id, request.namespace_id, request.block_hashes[: len(grant.slots)],
+                                    request.lease_ttl_s)
         if self._data_plane is not None and grant.slots:
             grant = await self._granted(grant, leased_after + request.lease_ttl_s)
         self.metrics.load(request.namespace_id, (), "shm", time.perf_counter() - started)
@@ -372,6 +373,10 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         if granted is not None:
             copied = granted.copied(wire.optional(request, "copied_blocks"))
             self.metrics.loaded(granted.ns_id, [HostTier.name] * copied, "shm")
+            # the store's policy recency and load counters too: a block the client took through
+            # Get instead was counted by that Get
+            await asyncio.to_thread(self._store.record_access, granted.ns_id, granted.block_hashes[:copied],
+                                    HostTier.name)
         return pb.ReleaseResponse()
 
     @translate_errors

@@ -63,7 +63,9 @@ def host_tier(store: TieredStore) -> HostTier | None:
 
 
 def leased_slots(store: TieredStore, ns_id: bytes, block_hashes: Sequence[bytes], lease_ttl_s: float) -> SlotGrant:
-    """Lease the hit of ``block_hashes`` and locate its leading host-tier run (reach-in: see above)."""
+    """Lease the hit of ``block_hashes`` and locate its leading host-tier run (reach-in: see above).
+    The client copies the slots itself: the caller tells the store which it copied
+    (``TieredStore.record_access``) once it knows, at the lease's Release."""
     hit = store.lookup(ns_id, block_hashes, lease_ttl_s)
     host = host_tier(store)
     slots = []
@@ -74,8 +76,6 @@ def leased_slots(store: TieredStore, ns_id: bytes, block_hashes: Sequence[bytes]
             if tier != host.name or where is None or meta is None:
                 break
             slots.append(Slot(where[0], where[1], tuple(meta.checksums)))
-    if slots:  # the client copies these itself: keep the policy's recency and the load counters true
-        store.record_access(ns_id, block_hashes[: len(slots)], host.name)
     return SlotGrant(len(block_hashes), hit.hit_blocks, host.segment_path if slots else "", tuple(slots),
                      hit.lease_id, hit.lease_refused, store.spec(ns_id).block_bytes)
 

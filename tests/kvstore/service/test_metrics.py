@@ -79,7 +79,7 @@ def loaded_tokens(server) -> dict[str, float]:
 
 
 def test_a_client_that_can_neither_map_the_segment_nor_use_the_data_plane_counts_each_block_once(
-        server, namespace, spec, chain):
+        server, store, namespace, spec, chain):
     """GetSlots grants slots this client cannot read, so every block comes through Get: counted once, as bytes."""
     with KVStoreClient(server.target, timeout_s=30, shared_memory=False, data_plane=False) as remote:
         ns_id = remote.register_namespace(namespace)
@@ -87,14 +87,16 @@ def test_a_client_that_can_neither_map_the_segment_nor_use_the_data_plane_counts
         dsts = [np.zeros(spec.block_bytes, np.uint8) for _ in range(3)]
         assert remote.load_shm(ns_id, chain[:3], dsts).tiers == ("host",) * 3  # 3 blocks of 4 tokens handed over
     assert loaded_tokens(server) == {"bytes": 12, "shm": 0}
+    assert store.stats().tier("host").loaded_blocks == 3, "the store's own count, and its policy, saw each block once"
 
 
-def test_a_client_that_maps_the_segment_counts_each_block_once_as_shm(server, client, namespace, spec, chain):
+def test_a_client_that_maps_the_segment_counts_each_block_once_as_shm(server, store, client, namespace, spec, chain):
     ns_id = client.register_namespace(namespace)
     client.put(ns_id, chain[:3], payloads_for(spec, chain[:3]))
     dsts = [np.zeros(spec.block_bytes, np.uint8) for _ in range(3)]
     assert client.load_shm(ns_id, chain[:3], dsts).tiers == ("host",) * 3
     assert loaded_tokens(server) == {"bytes": 0, "shm": 12}
+    assert store.stats().tier("host").loaded_blocks == 3
     assert scrape(server.metrics.registry)[("kvstore_load_duration_seconds_count", (("path", "shm"),))] == 1
 
 
