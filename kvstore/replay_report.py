@@ -81,8 +81,8 @@ def format_sizing(results: Sequence[ReplayResult], model: str | None = None) -> 
     curves["belady"] = sorted({(r.capacity_tokens, r.optimal_hit_tokens / max(r.max_hit_tokens, 1))
                                for r in results if r.optimal_hit_tokens is not None})
     width = 12 if model is None else 26
-    lines = ["capacity to keep a fraction of the max (the least measured; the exact one lies between it and "
-             "the capacity below)", f"{'of max':>8}" + "".join(f"{name:>{width}}" for name in curves)]
+    lines = ["capacity to keep a fraction of the max (the least measured that does; the exact one can be "
+             "smaller, down to the next capacity measured)", f"{'of max':>8}" + "".join(f"{name:>{width}}" for name in curves)]
     for fraction in SIZING_FRACTIONS:
         cells = []
         for points in curves.values():

@@ -11,15 +11,16 @@ bytes. The bytes per token follow from a model's layer count and the formats it 
     kimi-k2            mla_bf16 (DeepSeek V3's attention)       70,272
 
 Capacities are read as tokens (``3M``, decimal units) or, with a model, as bytes (``128GiB``,
-``2TB``; binary units KiB..TiB, decimal KB..TB).
+``2TB``; binary units KiB..TiB, decimal KB..TB). Bytes are of KV payload: a tier's own overhead
+is not counted (the host tier packs blocks into pages and can hold up to about 6% fewer).
 """
 
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 from typing import Sequence
 
-from kvstore.config import parse_size
 from kvstore.errors import InvalidRequest
 from kvstore.layout import DEEPSEEK_NUM_LAYERS, DEEPSEEK_V3_COMPONENTS, DEEPSEEK_V32_COMPONENTS, BlockSpec
 
@@ -31,7 +32,9 @@ MODELS: dict[str, tuple[int, tuple[str, ...]]] = {  # name -> (layers, cached co
 }
 
 _TOKEN_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}
-_QUANTITY = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*")
+_BYTE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_QUANTITY = re.compile(r"\s*(\d+(?:\.\d+)?(?:e\+?\d+)?)\s*([a-z]*)\s*")  # exact in Decimal: 4.1M is 4,100,000
 
 
 def bytes_per_token(model: str) -> int:
@@ -44,17 +47,19 @@ def bytes_per_token(model: str) -> int:
 
 
 def parse_capacity(text: str, model: str | None = None) -> int:
-    """A capacity in tokens: ``"3M"`` -> 3,000,000; with ``model``, ``"128GiB"`` -> the tokens that
-    fit in 128 GiB (rounded down). Raises ``InvalidRequest`` on anything else."""
+    """A capacity in tokens: ``"3M"`` -> 3,000,000; with ``model``, ``"128GiB"`` -> the tokens whose
+    KV payload fits in 128 GiB (rounded down; a tier's own overhead is not counted: the host tier
+    packs blocks into pages and can hold up to about 6% fewer). Raises ``InvalidRequest`` on
+    anything else."""
     match = _QUANTITY.fullmatch(text.lower())
     unit = match[2] if match else None
     if unit in _TOKEN_UNITS:
-        count = float(match[1]) * _TOKEN_UNITS[unit]
-    elif unit is not None and unit.endswith("b"):  # B, KB .. TB, KiB .. TiB: config.parse_size reads them
+        count = Decimal(match[1]) * _TOKEN_UNITS[unit]
+    elif unit in _BYTE_UNITS:
         if model is None:
             raise InvalidRequest(f"{text!r} is a size in bytes: give --model (one of {', '.join(MODELS)}) to turn "
                                  "it into tokens, or give tokens (e.g. 3M)")
-        count = parse_size(text) // bytes_per_token(model)
+        count = Decimal(match[1]) * _BYTE_UNITS[unit] // bytes_per_token(model)
     else:
         raise InvalidRequest(f"cannot read {text!r} as a capacity; examples: 3M or 500k tokens, "
                              "or 128GiB with --model")
@@ -64,12 +69,14 @@ def parse_capacity(text: str, model: str | None = None) -> int:
 
 
 def format_bytes(n: float) -> str:
-    """``1.5 * 2**30`` -> ``"1.5 GiB"``."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    """``1.5 * 2**30`` -> ``"1.5 GiB"`` (one decimal, so a unit starts where 1023.95 would round up)."""
+    if n < 1024:
+        return f"{n:.0f} B"
+    for unit in ("KiB", "MiB", "GiB"):
         n /= 1024
-    return f"{n:.1f} TiB"
+        if round(n, 1) < 1024:
+            return f"{n:.1f} {unit}"
+    return f"{n / 1024:.1f} TiB"
 
 
 def smallest_capacity_reaching(points: Sequence[tuple[int, float]], fraction: float) -> int | None:

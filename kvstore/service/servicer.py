@@ -371,13 +371,21 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         granted = self._lease_ended(request.lease_id)
         await asyncio.to_thread(self._store.release, request.lease_id)  # expired: NOT_FOUND, nothing counted
         if granted is not None:
-            copied = granted.copied(wire.optional(request, "copied_blocks"))
+            await self._count_copied(granted, wire.optional(request, "copied_blocks"))
+        return pb.ReleaseResponse()
+
+    async def _count_copied(self, granted: GrantedLoad, reported: int | None) -> None:
+        """Count the granted slots the client copied (``GrantedLoad.copied``) as loaded, in the
+        metrics and in the store (its counters and its policy's recency); a block the client took
+        through Get instead was counted by that Get. The lease is released already, so a store
+        closing meanwhile must not fail the Release: those counts are dropped."""
+        copied = granted.copied(reported)
+        try:
             self.metrics.loaded(granted.ns_id, [HostTier.name] * copied, "shm")
-            # the store's policy recency and load counters too: a block the client took through
-            # Get instead was counted by that Get
             await asyncio.to_thread(self._store.record_access, granted.ns_id, granted.block_hashes[:copied],
                                     HostTier.name)
-        return pb.ReleaseResponse()
+        except StoreClosed:
+            pass
 
     @translate_errors
     async def ReportPrefill(self, request, context):

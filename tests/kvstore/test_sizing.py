@@ -23,7 +23,8 @@ def test_an_unknown_model_names_the_known_ones():
 
 
 @pytest.mark.parametrize("text, expected", [("3M", 3_000_000), ("500k", 500_000), ("1.5M", 1_500_000), ("42", 42),
-                                            (" 2G ", 2_000_000_000)])
+                                            (" 2G ", 2_000_000_000), ("4.1M", 4_100_000), ("2.01k", 2_010),
+                                            ("1e6", 1_000_000), ("0.128512M", 128_512)])
 def test_capacities_in_tokens(text, expected):
     assert parse_capacity(text) == expected == parse_capacity(text, "deepseek-v3")
 
@@ -32,6 +33,7 @@ def test_capacities_in_tokens(text, expected):
     ("128GiB", "deepseek-v3.2", (128 << 30) // 48068),
     ("1TB", "deepseek-v3", 10**12 // 70272),
     ("40016B", "deepseek-v3-fp8", 1),
+    ("0.1GB", "deepseek-v3", 10**8 // 70272),
 ])
 def test_capacities_in_bytes_are_the_tokens_that_fit(text, model, expected):
     assert parse_capacity(text, model) == expected
@@ -43,6 +45,7 @@ def test_capacities_in_bytes_are_the_tokens_that_fit(text, model, expected):
     ("3x", "cannot read '3x'"),
     ("0", "at least one token"),
     ("128GiB", "'128GiB' is a size in bytes: give --model"),
+    ("12xb", "cannot read '12xb' as a capacity; examples: 3M or 500k tokens, or 128GiB with --model"),
 ])
 def test_bad_capacities_are_refused_with_what_to_give(text, message):
     with pytest.raises(InvalidRequest, match=message):
@@ -55,7 +58,7 @@ def test_bytes_smaller_than_one_token_are_refused():
 
 
 @pytest.mark.parametrize("n, text", [(0, "0 B"), (1023, "1023 B"), (1536, "1.5 KiB"), (3 << 30, "3.0 GiB"),
-                                     (5 << 40, "5.0 TiB")])
+                                     (5 << 40, "5.0 TiB"), ((1 << 20) - 1, "1.0 MiB"), ((1 << 30) - 10, "1.0 GiB")])
 def test_format_bytes(n, text):
     assert format_bytes(n) == text
 
