@@ -37,9 +37,10 @@ class PlacementMixin:
         another thread is writing the same block into the same tier (two promotions of one block,
         say: a tier accepts each block once); or when the block would close a loop with what is
         resident (``_would_loop``). The loop check runs before making room, so nothing is evicted
-        for a block that cannot be stored, and again at publication, under the lock, where it is
-        authoritative: two puts racing to store ``[A]`` under ``B`` and ``[B]`` under ``A`` both
-        pass the check at their start, and the second to publish is refused, its bytes removed."""
+        for a block already known to close a loop, and again at publication, under the lock, where
+        it is authoritative: two puts racing to store ``[A]`` under ``B`` and ``[B]`` under ``A``
+        both pass the check at their start, and the second to publish is refused, its bytes
+        removed (the victim evicted to make its room is not restored)."""
         tier = self.tiers[t]
         for _ in range(3):  # another thread may take the room between eviction and write
             with self._lock:
