@@ -36,18 +36,16 @@ class PlacementMixin:
         """Make room in tier ``t`` by policy, write, publish. False when no room can be made; when
         another thread is writing the same block into the same tier (two promotions of one block,
         say: a tier accepts each block once); or when the block would close a loop with what is
-        resident (``_would_loop``). The loop check runs before making room, so nothing is evicted
-        for a block already known to close a loop, and again at publication, under the lock, where
-        it is authoritative: two puts racing to store ``[A]`` under ``B`` and ``[B]`` under ``A``
-        both pass the check at their start, and the second to publish is refused, its bytes
-        removed (the victim evicted to make its room is not restored)."""
+        resident (``_would_loop``), checked at publication, under the lock: two puts racing to
+        store ``[A]`` under ``B`` and ``[B]`` under ``A`` both pass ``put``'s check at their start,
+        and the second to publish is refused, its bytes removed (the victim evicted to make its
+        room is not restored; a race is rare, so the check is not repeated before making room)."""
         tier = self.tiers[t]
         for _ in range(3):  # another thread may take the room between eviction and write
             with self._lock:
                 if self._bits(key) >> t & 1:
                     return True
-                refused = (t, key) in self._placing or self._would_loop({key}, meta.parent)
-                if refused or not self._make_room(t, meta.nbytes):
+                if (t, key) in self._placing or not self._make_room(t, meta.nbytes):
                     return False
                 self._placing.add((t, key))
             try:
@@ -68,9 +66,11 @@ class PlacementMixin:
     def _would_loop(self, keys: set[bytes], parent: bytes | None) -> bool:
         """Whether storing ``keys`` under ``parent`` now closes a loop (``validation.closes_loop``);
         a key some tier holds keeps the parent it has. Caller holds the lock."""
+        if parent is None:
+            return False
         new = {key for key in keys if not self._bits(key)}
-        return parent is not None and closes_loop(new, parent, lambda key: any(
-            policy.has_resident_children(key) for policy in self._policies), self._resident_parent)
+        return closes_loop(new, parent, lambda key: any(policy.has_resident_children(key) for policy in self._policies),
+                           self._resident_parent)
 
     def _resident_parent(self, key: bytes) -> bytes | None:
         """The parent of resident ``key``; None at a chain's head or when no tier holds it."""

@@ -227,18 +227,19 @@ class HitDensityPolicy(ChainPolicy):
         n = len(leaves)
         if not n:
             return None
-        # _density_of inlined: this loop is most of the policy's time
+        # _density_of inlined: this loop is most of the policy's time. choices() draws as
+        # leaves[int(random() * n)] would, one random() per sample.
         history, densities, now = self._history, self._density, self._now
-        small, random = self._bucket_of_small_age, self._rng.random
+        small = self._bucket_of_small_age
+        smallest_slow = len(small)
         best, best_density = None, math.inf
-        for _ in range(min(self.samples, n)):
-            key = leaves[int(random() * n)]
+        for key in self._rng.choices(leaves, k=min(self.samples, n)):
             seen = history.get(key)
             if seen is None:
                 density = 0.0
             else:
                 age = now - seen.last
-                density = densities[seen.cls][small[age] if age < len(small) else self._bucket_slow(age)]
+                density = densities[seen.cls][small[age] if age < smallest_slow else self._bucket_slow(age)]
             if density < best_density and eligible(key):
                 best, best_density = key, density
         if best is None:  # the sample held nothing eligible: look at every leaf
