@@ -39,6 +39,10 @@ from __future__ import annotations
 import functools
 import math
 import random
+from array import array
+from bisect import bisect_right
+from collections import Counter
+from operator import attrgetter
 from typing import Callable, Iterator
 
 from kvstore.policies.base import ChainPolicy, Entry
@@ -50,8 +54,30 @@ def _small_age_buckets(per_octave: int, age_buckets: int) -> tuple[int, ...]:
     return tuple(min(age_buckets - 1, int(per_octave * math.log2(1 + age))) for age in range(1 << 17))
 
 
+@functools.cache
+def _age_bucket_floors(per_octave: int, age_buckets: int) -> tuple[int, ...]:
+    """The least age of every age bucket or a later one: bucket b holds ages from floors[b] up to
+    floors[b + 1] (empty where they are equal). The buckets grow with age, so floors do too."""
+    small = _small_age_buckets(per_octave, age_buckets)
+
+    def bucket(age: int) -> int:
+        return small[age] if age < len(small) else min(age_buckets - 1, int(per_octave * math.log2(1 + age)))
+
+    floors = []
+    for b in range(age_buckets):
+        low, high = (floors[-1] if floors else 0), 1 << 62  # bucket(high) is the last bucket
+        while low < high:
+            middle = (low + high) // 2
+            low, high = (middle + 1, high) if bucket(middle) < b else (low, middle)
+        floors.append(low)
+    return tuple(floors)
+
+
+_last_of, _class_of = attrgetter("last"), attrgetter("cls")
+
+
 class _Seen:
-    """What the history remembers of a key."""
+    """What the history remembers of a key. One object per remembered key, updated in place."""
 
     __slots__ = ("cls", "last", "uses")
 
@@ -73,6 +99,10 @@ class HitDensityPolicy(ChainPolicy):
         super().__init__()
         self._leaves: list[bytes] = []  # resident leaves, for O(1) sampling (the base heap is unused)
         self._leaf_at: dict[bytes, int] = {}
+        # each leaf's class and last reference, beside _leaves, so a sample reads them without a
+        # lookup in the (much larger) history; a leaf the history forgot has class _forgotten
+        self._leaf_cls = array("H")
+        self._leaf_last = array("q")
         self._now = 0  # the insert clock
         self._history: dict[bytes, _Seen] = {}  # oldest reference first
         self._run: list[bytes] = []  # keys stored by the current insertion run
@@ -82,8 +112,11 @@ class HitDensityPolicy(ChainPolicy):
         self._reused = [[0.0] * self.age_buckets for _ in range(classes)]  # [class][age bucket]
         self._ended = [[0.0] * self.age_buckets for _ in range(classes)]  # forgotten unreferenced
         self._density = [[1.0] * self.age_buckets for _ in range(classes)]
+        self._forgotten = classes  # the class of a leaf the history no longer remembers: density 0
+        self._density_of_class = self._density + [[0.0] * self.age_buckets]  # [class or _forgotten][age bucket]
         self._widths = [2 ** ((b + 1) / self.per_octave) - 2 ** (b / self.per_octave) for b in range(self.age_buckets)]
         self._bucket_of_small_age = _small_age_buckets(self.per_octave, self.age_buckets)
+        self._age_bucket_floors = _age_bucket_floors(self.per_octave, self.age_buckets)
         self._next_reconfigure = self.first_reconfigure
         self._rng = random.Random(seed)
 
@@ -111,29 +144,46 @@ class HitDensityPolicy(ChainPolicy):
         if not self._entries[key].children and key not in self._leaf_at:
             self._leaf_at[key] = len(self._leaves)
             self._leaves.append(key)
+            seen = self._history.get(key)
+            self._leaf_cls.append(self._forgotten if seen is None else seen.cls)
+            self._leaf_last.append(0 if seen is None else seen.last)
 
     def _drop_leaf(self, key: bytes) -> None:
         at = self._leaf_at.pop(key, None)
         if at is None:
             return
-        last = self._leaves.pop()
+        last, cls, last_reference = self._leaves.pop(), self._leaf_cls.pop(), self._leaf_last.pop()
         if at < len(self._leaves):
-            self._leaves[at] = last
+            self._leaves[at], self._leaf_cls[at], self._leaf_last[at] = last, cls, last_reference
             self._leaf_at[last] = at
+
+    def _note_leaf(self, key: bytes, seen: _Seen | None) -> None:
+        """Copy ``key``'s history (None: forgotten) beside it in the leaf set, if it is a leaf."""
+        at = self._leaf_at.get(key)
+        if at is not None:
+            self._leaf_cls[at] = self._forgotten if seen is None else seen.cls
+            self._leaf_last[at] = 0 if seen is None else seen.last
 
     # ---- statistics --------------------------------------------------------------------------
 
     def _reference(self, key: bytes) -> None:
         """A hit on ``key`` or a store of it: a reuse at its age if the history remembers it."""
-        seen = self._history.pop(key, None)
-        if seen is not None:
+        history = self._history
+        seen = history.pop(key, None)
+        if seen is None:
+            seen = _Seen(self._class(1, False), self._now, 1)
+        else:
             self._reused[seen.cls][self._bucket(self._now - seen.last)] += 1
-        uses = 1 if seen is None else seen.uses + 1
-        self._history[key] = _Seen(self._class(uses, False), self._now, uses)
+            seen.uses += 1
+            seen.cls, seen.last = self._class(seen.uses, False), self._now
+        history[key] = seen  # last in the history's order: it is ordered by last reference
+        self._note_leaf(key, seen)
         limit = self.history_factor * len(self._entries) + 1024
-        while len(self._history) > limit:
-            oldest = self._history.pop(next(iter(self._history)))
+        while len(history) > limit:
+            oldest_key = next(iter(history))
+            oldest = history.pop(oldest_key)
             self._ended[oldest.cls][self._bucket(self._now - oldest.last)] += 1
+            self._note_leaf(oldest_key, None)
 
     def _end_run(self) -> None:
         """The current insertion run ended: class its once-referenced blocks by the run's length."""
@@ -144,13 +194,12 @@ class HitDensityPolicy(ChainPolicy):
             if seen is not None and seen.uses == 1:
                 entry = self._entries.get(key)
                 seen.cls = self._class(1, key == tail and entry is not None and not entry.children, len(run))
+                self._note_leaf(key, seen)
 
     def _reconfigure(self) -> None:
         """Densities per class and age bucket from reuses, endings and keys still waiting."""
         buckets = self.age_buckets
-        waiting = [[0.0] * buckets for _ in self._density]  # censored: not referenced yet
-        for seen in self._history.values():
-            waiting[seen.cls][self._bucket(self._now - seen.last)] += 1
+        waiting = self._waiting()
         for reused, ended, still, density in zip(self._reused, self._ended, waiting, self._density):
             at_risk = [0.0] * (buckets + 1)  # keys that reached each age bucket
             for b in range(buckets - 1, -1, -1):
@@ -166,6 +215,22 @@ class HitDensityPolicy(ChainPolicy):
                 lifetime += survival[b] * self._widths[b]
                 density[b] = hits / lifetime if lifetime > 0 else 0.0
         self._next_reconfigure = self._now + max(self.first_reconfigure, len(self._entries) // 2)
+
+    def _waiting(self) -> list[list[float]]:
+        """Keys the history remembers, not referenced again yet (censored), per class and age
+        bucket. The history is ordered by last reference, so each bucket is one slice of it."""
+        seen = list(self._history.values())
+        lasts, classes = list(map(_last_of, seen)), list(map(_class_of, seen))  # [remembered], oldest first
+        waiting = [[0.0] * self.age_buckets for _ in self._density]
+        floors = self._age_bucket_floors
+        older = 0  # keys older than the bucket's ages: bucket b+1 and beyond
+        for b in range(self.age_buckets - 1, -1, -1):
+            at_least_as_old = bisect_right(lasts, self._now - floors[b])  # ages >= floors[b]
+            if at_least_as_old > older:
+                for cls, count in Counter(classes[older:at_least_as_old]).items():
+                    waiting[cls][b] += count
+                older = at_least_as_old
+        return waiting
 
     def _density_of(self, key: bytes) -> float:
         seen = self._history.get(key)
@@ -227,21 +292,18 @@ class HitDensityPolicy(ChainPolicy):
         n = len(leaves)
         if not n:
             return None
-        # _density_of inlined: this loop is most of the policy's time. choices() draws as
-        # leaves[int(random() * n)] would, one random() per sample.
-        history, densities, now = self._history, self._density, self._now
-        small = self._bucket_of_small_age
+        # _density_of inlined over the leaf set's own copy of each leaf's history: this loop is
+        # most of the policy's time. A sample is leaves[int(random() * n)], as choices() draws.
+        classes, lasts, densities, now = self._leaf_cls, self._leaf_last, self._density_of_class, self._now
+        small, random_ = self._bucket_of_small_age, self._rng.random
         smallest_slow = len(small)
         best, best_density = None, math.inf
-        for key in self._rng.choices(leaves, k=min(self.samples, n)):
-            seen = history.get(key)
-            if seen is None:
-                density = 0.0
-            else:
-                age = now - seen.last
-                density = densities[seen.cls][small[age] if age < smallest_slow else self._bucket_slow(age)]
-            if density < best_density and eligible(key):
-                best, best_density = key, density
+        for _ in range(min(self.samples, n)):
+            at = int(random_() * n)
+            age = now - lasts[at]
+            density = densities[classes[at]][small[age] if age < smallest_slow else self._bucket_slow(age)]
+            if density < best_density and eligible(leaves[at]):
+                best, best_density = leaves[at], density
         if best is None:  # the sample held nothing eligible: look at every leaf
             candidates = [key for key in leaves if eligible(key)]
             best = min(candidates, key=self._density_of, default=None)
