@@ -7,10 +7,17 @@ misleads (documents re-read at random, the Mooncake trace). See ``selector.py`` 
 leader is chosen and what it costs.
 """
 
+from typing import Callable
+
+from kvstore.policies.base import EvictionPolicy
 from kvstore.policies.hit_density import HitDensityPolicy, PooledHitDensityPolicy
-from kvstore.policies.selector import SelectorPolicy
+from kvstore.policies.selector import SelectorPolicy, SharedCandidates
 
 
 class AdaptivePolicy(SelectorPolicy):
     name = "adaptive"
     candidates = (HitDensityPolicy, PooledHitDensityPolicy)
+
+    def _tier_candidates(self, makers: tuple[Callable[[], EvictionPolicy], ...]) -> SharedCandidates:
+        """Both candidates are HitDensity kinds: one record of the tier serves both."""
+        return SharedCandidates(HitDensityPolicy(schemes=makers))

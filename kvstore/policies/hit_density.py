@@ -43,7 +43,7 @@ from array import array
 from bisect import bisect_right
 from collections import Counter
 from operator import attrgetter
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 from kvstore.policies.base import ChainPolicy, Entry
 
@@ -85,7 +85,34 @@ class _Seen:
         self.cls, self.last, self.uses = cls, last, uses
 
 
+class _Scheme:
+    """One way of classing blocks over a policy's shared record: its reuse statistics, its
+    densities and its own sampling stream, so it ranks and evicts as a policy of its own would."""
+
+    def __init__(self, kind: type[HitDensityPolicy], fine_classes: int, seed: int) -> None:
+        self.name = kind.name
+        runs, buckets = kind.run_classes, kind.age_buckets
+        # fine class (2 * base + tail, bases past the run classes counting uses) -> this scheme's class
+        self.fold = tuple(2 * (base if base < runs else runs + min(base - runs, kind.use_classes - 1)) + tail
+                          for base in range(fine_classes // 2) for tail in (0, 1))
+        classes = 2 * (runs + kind.use_classes)
+        self.reused = [[0.0] * buckets for _ in range(classes)]  # [class][age bucket]
+        self.ended = [[0.0] * buckets for _ in range(classes)]  # forgotten unreferenced
+        self.density = [[1.0] * buckets for _ in range(classes)]
+        # [fine class, or the forgotten class last][age bucket]: rows shared with self.density
+        self.density_of_fine_class = [self.density[c] for c in self.fold] + [[0.0] * buckets]
+        self.rng = random.Random(seed)
+
+
 class HitDensityPolicy(ChainPolicy):
+    """Evicts the sampled leaf of least hit density (see the module's docstring).
+
+    ``schemes`` (default: this class alone) runs several HitDensity kinds, which differ only in
+    how they class reused blocks, over one shared record of the tier: ``victims_of(i)`` is what
+    ``schemes[i]`` alone would evict, at the cost of one history, not one per kind. ``adaptive``
+    uses it for its candidates. ``victims`` is the first scheme's.
+    """
+
     name = "hit_density"
     samples = 32  # leaves sampled per eviction (LHD samples 64; 32 was indistinguishable)
     per_octave = 4  # age buckets per doubling of age
@@ -95,8 +122,16 @@ class HitDensityPolicy(ChainPolicy):
     run_classes = 8  # log2 run length of once-referenced blocks: 1, 2-3, ..., 128+
     first_reconfigure = 1024  # inserts before the first densities; then every max(1024, resident/2)
 
-    def __init__(self, seed: int = 0x1D) -> None:
+    def __init__(self, seed: int = 0x1D, schemes: Sequence[type[HitDensityPolicy]] = ()) -> None:
         super().__init__()
+        kinds = tuple(schemes) or (type(self),)
+        shared = ("samples", "per_octave", "age_buckets", "history_factor", "run_classes", "first_reconfigure")
+        for kind in kinds:
+            is_kind = isinstance(kind, type) and issubclass(kind, HitDensityPolicy)
+            if not is_kind or any(getattr(kind, a) != getattr(self, a) for a in shared):
+                raise ValueError(f"{getattr(kind, '__name__', kind)} cannot share a record with "
+                                 f"{type(self).__name__}: schemes are HitDensity kinds that differ in use_classes only")
+        self._fine_use_classes = max(kind.use_classes for kind in kinds)
         self._leaves: list[bytes] = []  # resident leaves, for O(1) sampling (the base heap is unused)
         self._leaf_at: dict[bytes, int] = {}
         # each leaf's class and last reference, beside _leaves, so a sample reads them without a
@@ -108,17 +143,17 @@ class HitDensityPolicy(ChainPolicy):
         self._run: list[bytes] = []  # keys stored by the current insertion run
         self._last_inserted: bytes | None = None
         self._admitting_parent: bytes | None = None  # the parent of the block being stored: never its victim
-        classes = 2 * (self.run_classes + self.use_classes)
-        self._reused = [[0.0] * self.age_buckets for _ in range(classes)]  # [class][age bucket]
-        self._ended = [[0.0] * self.age_buckets for _ in range(classes)]  # forgotten unreferenced
-        self._density = [[1.0] * self.age_buckets for _ in range(classes)]
-        self._forgotten = classes  # the class of a leaf the history no longer remembers: density 0
-        self._density_of_class = self._density + [[0.0] * self.age_buckets]  # [class or _forgotten][age bucket]
+        self._fine_classes = 2 * (self.run_classes + self._fine_use_classes)  # the history's classes
+        self._forgotten = self._fine_classes  # the class of a leaf the history no longer remembers: density 0
+        self._schemes = [_Scheme(kind, self._fine_classes, seed) for kind in kinds]
         self._widths = [2 ** ((b + 1) / self.per_octave) - 2 ** (b / self.per_octave) for b in range(self.age_buckets)]
         self._bucket_of_small_age = _small_age_buckets(self.per_octave, self.age_buckets)
         self._age_bucket_floors = _age_bucket_floors(self.per_octave, self.age_buckets)
         self._next_reconfigure = self.first_reconfigure
-        self._rng = random.Random(seed)
+
+    @property
+    def scheme_names(self) -> tuple[str, ...]:
+        return tuple(scheme.name for scheme in self._schemes)
 
     # ---- classes and ages ------------------------------------------------------------------
 
@@ -126,7 +161,7 @@ class HitDensityPolicy(ChainPolicy):
         if uses <= 1:
             base = min(max(run_length, 1).bit_length() - 1, self.run_classes - 1)
         else:
-            base = self.run_classes + min(uses - 2, self.use_classes - 1)
+            base = self.run_classes + min(uses - 2, self._fine_use_classes - 1)
         return 2 * base + tail
 
     def _bucket_slow(self, age: int) -> int:
@@ -173,7 +208,9 @@ class HitDensityPolicy(ChainPolicy):
         if seen is None:
             seen = _Seen(self._class(1, False), self._now, 1)
         else:
-            self._reused[seen.cls][self._bucket(self._now - seen.last)] += 1
+            bucket = self._bucket(self._now - seen.last)
+            for scheme in self._schemes:
+                scheme.reused[scheme.fold[seen.cls]][bucket] += 1
             seen.uses += 1
             seen.cls, seen.last = self._class(seen.uses, False), self._now
         history[key] = seen  # last in the history's order: it is ordered by last reference
@@ -182,7 +219,9 @@ class HitDensityPolicy(ChainPolicy):
         while len(history) > limit:
             oldest_key = next(iter(history))
             oldest = history.pop(oldest_key)
-            self._ended[oldest.cls][self._bucket(self._now - oldest.last)] += 1
+            bucket = self._bucket(self._now - oldest.last)
+            for scheme in self._schemes:
+                scheme.ended[scheme.fold[oldest.cls]][bucket] += 1
             self._note_leaf(oldest_key, None)
 
     def _end_run(self) -> None:
@@ -198,9 +237,20 @@ class HitDensityPolicy(ChainPolicy):
 
     def _reconfigure(self) -> None:
         """Densities per class and age bucket from reuses, endings and keys still waiting."""
-        buckets = self.age_buckets
         waiting = self._waiting()
-        for reused, ended, still, density in zip(self._reused, self._ended, waiting, self._density):
+        for scheme in self._schemes:
+            scheme_waiting = [[0.0] * self.age_buckets for _ in scheme.density]
+            for fine, rows in zip(scheme.fold, waiting):
+                folded = scheme_waiting[fine]
+                for b, count in enumerate(rows):
+                    folded[b] += count
+            self._fit(scheme, scheme_waiting)
+        self._next_reconfigure = self._now + max(self.first_reconfigure, len(self._entries) // 2)
+
+    def _fit(self, scheme: _Scheme, waiting: list[list[float]]) -> None:
+        """Kaplan-Meier per class of ``scheme``, then each age bucket's density."""
+        buckets = self.age_buckets
+        for reused, ended, still, density in zip(scheme.reused, scheme.ended, waiting, scheme.density):
             at_risk = [0.0] * (buckets + 1)  # keys that reached each age bucket
             for b in range(buckets - 1, -1, -1):
                 at_risk[b] = at_risk[b + 1] + reused[b] + ended[b] + still[b]
@@ -214,14 +264,13 @@ class HitDensityPolicy(ChainPolicy):
                 hits += survival[b] * hazard[b]
                 lifetime += survival[b] * self._widths[b]
                 density[b] = hits / lifetime if lifetime > 0 else 0.0
-        self._next_reconfigure = self._now + max(self.first_reconfigure, len(self._entries) // 2)
 
     def _waiting(self) -> list[list[float]]:
-        """Keys the history remembers, not referenced again yet (censored), per class and age
-        bucket. The history is ordered by last reference, so each bucket is one slice of it."""
+        """Keys the history remembers, not referenced again yet (censored), per fine class and
+        age bucket. The history is ordered by last reference, so each bucket is one slice of it."""
         seen = list(self._history.values())
         lasts, classes = list(map(_last_of, seen)), list(map(_class_of, seen))  # [remembered], oldest first
-        waiting = [[0.0] * self.age_buckets for _ in self._density]
+        waiting = [[0.0] * self.age_buckets for _ in range(self._fine_classes)]
         floors = self._age_bucket_floors
         older = 0  # keys older than the bucket's ages: bucket b+1 and beyond
         for b in range(self.age_buckets - 1, -1, -1):
@@ -232,11 +281,11 @@ class HitDensityPolicy(ChainPolicy):
                 older = at_least_as_old
         return waiting
 
-    def _density_of(self, key: bytes) -> float:
+    def _density_of(self, scheme: _Scheme, key: bytes) -> float:
         seen = self._history.get(key)
         if seen is None:  # forgotten (a tiny tier only): as little worth as anything
             return 0.0
-        return self._density[seen.cls][self._bucket(self._now - seen.last)]
+        return scheme.density_of_fine_class[seen.cls][self._bucket(self._now - seen.last)]
 
     # ---- the policy interface ----------------------------------------------------------------
 
@@ -275,27 +324,32 @@ class HitDensityPolicy(ChainPolicy):
         super().on_remove(key)
 
     def victims(self, evictable: Callable[[bytes], bool] = lambda k: True) -> Iterator[bytes]:
-        """Sampled leaves, least density first; each leaf at most once per call, the parent of
-        the block being stored last of all."""
+        return self.victims_of(0, evictable)
+
+    def victims_of(self, scheme: int, evictable: Callable[[bytes], bool] = lambda k: True) -> Iterator[bytes]:
+        """Sampled leaves, least density by ``schemes[scheme]`` first; each leaf at most once
+        per call, the parent of the block being stored last of all."""
+        ranking = self._schemes[scheme]
         offered: set[bytes] = set()
         while True:
-            victim = self._least_dense(lambda k: k not in offered and k != self._admitting_parent and evictable(k))
+            victim = self._least_dense(
+                ranking, lambda k: k not in offered and k != self._admitting_parent and evictable(k))
             if victim is None:
-                victim = self._least_dense(lambda k: k not in offered and evictable(k))
+                victim = self._least_dense(ranking, lambda k: k not in offered and evictable(k))
             if victim is None:
                 return
             offered.add(victim)
             yield victim
 
-    def _least_dense(self, eligible: Callable[[bytes], bool]) -> bytes | None:
+    def _least_dense(self, scheme: _Scheme, eligible: Callable[[bytes], bool]) -> bytes | None:
         leaves = self._leaves
         n = len(leaves)
         if not n:
             return None
         # _density_of inlined over the leaf set's own copy of each leaf's history: this loop is
         # most of the policy's time. A sample is leaves[int(random() * n)], as choices() draws.
-        classes, lasts, densities, now = self._leaf_cls, self._leaf_last, self._density_of_class, self._now
-        small, random_ = self._bucket_of_small_age, self._rng.random
+        classes, lasts, densities, now = self._leaf_cls, self._leaf_last, scheme.density_of_fine_class, self._now
+        small, random_ = self._bucket_of_small_age, scheme.rng.random
         smallest_slow = len(small)
         best, best_density = None, math.inf
         for _ in range(min(self.samples, n)):
@@ -306,7 +360,7 @@ class HitDensityPolicy(ChainPolicy):
                 best, best_density = leaves[at], density
         if best is None:  # the sample held nothing eligible: look at every leaf
             candidates = [key for key in leaves if eligible(key)]
-            best = min(candidates, key=self._density_of, default=None)
+            best = min(candidates, key=lambda key: self._density_of(scheme, key), default=None)
         return best
 
 

@@ -9,6 +9,8 @@ Simulations", USENIX ATC 2017):
 
 - Every candidate is a full policy told every insert, access and removal of the tier, so any of
   them can lead at any moment with a complete view; a change of leader moves nothing.
+  Candidates that can share one record of the tier (HitDensity kinds, see ``adaptive``) are
+  told each event once.
 - One chain in ``sample_one_in`` is sampled, drawn at its head; a block inherits its parent's
   draw, so a sampled chain is sampled whole, as prefix hits need. (A block whose parent the tier
   has not seen, such as a tail demoted before its head, draws for itself.)
@@ -19,8 +21,9 @@ Simulations", USENIX ATC 2017):
   so a change of workload changes the leader. The candidate with the most leads; a tie keeps the
   current leader.
 
-Costs: every candidate's metadata and per-event work, plus 1/``sample_one_in`` of that again per
-candidate for its miniature, plus one small record per block of the tier.
+Costs: every candidate's metadata and per-event work (once for candidates that share a record),
+plus 1/``sample_one_in`` of one candidate's again per candidate for its miniature, plus one small
+record per block of the tier.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import zlib
 from typing import Callable, Iterator
 
 from kvstore.policies.base import EvictionPolicy
+from kvstore.policies.hit_density import HitDensityPolicy
 
 
 class _Link:
@@ -38,6 +42,62 @@ class _Link:
 
     def __init__(self, parent: bytes | None, sampled: bool) -> None:
         self.parent, self.sampled, self.in_tier = parent, sampled, False
+
+
+class _EachCandidate:
+    """Candidates as separate policies, each told every event of the tier."""
+
+    def __init__(self, policies: list[EvictionPolicy]) -> None:
+        self.policies = policies
+        self.names = tuple(policy.name for policy in policies)
+
+    def admit(self, key: bytes, parent: bytes | None, nbytes: int) -> list[bool]:
+        return [policy.admit(key, parent, nbytes) for policy in self.policies]  # admission may update state
+
+    def on_insert(self, key: bytes, parent: bytes | None, nbytes: int) -> None:
+        for policy in self.policies:
+            policy.on_insert(key, parent, nbytes)
+
+    def on_access(self, key: bytes) -> None:
+        for policy in self.policies:
+            policy.on_access(key)
+
+    def on_remove(self, key: bytes) -> None:
+        for policy in self.policies:
+            policy.on_remove(key)
+
+    def victims(self, candidate: int, evictable: Callable[[bytes], bool]) -> Iterator[bytes]:
+        return self.policies[candidate].victims(evictable)
+
+    def has_resident_children(self, key: bytes) -> bool:
+        return self.policies[0].has_resident_children(key)  # every candidate sees the same tier
+
+
+class SharedCandidates:
+    """Candidates that are the schemes of one ``HitDensityPolicy`` (one record of the tier, each
+    event told once): the same decisions as separate policies, for one policy's upkeep."""
+
+    def __init__(self, policy: HitDensityPolicy) -> None:
+        self.policy = policy
+        self.names = policy.scheme_names
+
+    def admit(self, key: bytes, parent: bytes | None, nbytes: int) -> list[bool]:
+        return [self.policy.admit(key, parent, nbytes)] * len(self.names)
+
+    def on_insert(self, key: bytes, parent: bytes | None, nbytes: int) -> None:
+        self.policy.on_insert(key, parent, nbytes)
+
+    def on_access(self, key: bytes) -> None:
+        self.policy.on_access(key)
+
+    def on_remove(self, key: bytes) -> None:
+        self.policy.on_remove(key)
+
+    def victims(self, candidate: int, evictable: Callable[[bytes], bool]) -> Iterator[bytes]:
+        return self.policy.victims_of(candidate, evictable)
+
+    def has_resident_children(self, key: bytes) -> bool:
+        return self.policy.has_resident_children(key)
 
 
 class _Miniature:
@@ -87,7 +147,7 @@ class SelectorPolicy(EvictionPolicy):
         makers = candidates if candidates is not None else type(self).candidates
         if len(makers) < 2:
             raise ValueError("a selector needs at least two candidate policies")
-        self._policies = [make() for make in makers]
+        self._tier = self._tier_candidates(makers)
         self._miniatures = [_Miniature(make()) for make in makers]
         self._leader = 0
         self._seed = seed
@@ -97,16 +157,20 @@ class SelectorPolicy(EvictionPolicy):
         self._since_comparison = 0  # sampled references
         self._decay = 0.5 ** (1.0 / self.half_life_fills)
 
+    def _tier_candidates(self, makers: tuple[Callable[[], EvictionPolicy], ...]) -> _EachCandidate | SharedCandidates:
+        """The candidates that rank the tier's own blocks. Subclasses may share their upkeep."""
+        return _EachCandidate([make() for make in makers])
+
     # ---- what the selector exposes -------------------------------------------------------------
 
     @property
     def leader(self) -> str:
         """The name of the candidate eviction follows now."""
-        return self._policies[self._leader].name
+        return self._tier.names[self._leader]
 
     def miniature_hits(self) -> dict[str, float]:
         """Decayed hits per candidate in its miniature, by candidate name."""
-        return {p.name: m.hits for p, m in zip(self._policies, self._miniatures)}
+        return {name: m.hits for name, m in zip(self._tier.names, self._miniatures)}
 
     @property
     def tracked_blocks(self) -> int:
@@ -120,12 +184,10 @@ class SelectorPolicy(EvictionPolicy):
 
     def admit(self, key: bytes, parent: bytes | None, nbytes: int) -> bool:
         """Every candidate is asked (admission may update its state); the leader's answer holds."""
-        answers = [policy.admit(key, parent, nbytes) for policy in self._policies]
-        return answers[self._leader]
+        return self._tier.admit(key, parent, nbytes)[self._leader]
 
     def on_insert(self, key: bytes, parent: bytes | None, nbytes: int) -> None:
-        for policy in self._policies:
-            policy.on_insert(key, parent, nbytes)
+        self._tier.on_insert(key, parent, nbytes)
         link = self._links.get(key)
         if link is None:
             parent_link = self._links.get(parent) if parent is not None else None
@@ -139,15 +201,13 @@ class SelectorPolicy(EvictionPolicy):
             self._simulate(key, link.parent)
 
     def on_access(self, key: bytes) -> None:
-        for policy in self._policies:
-            policy.on_access(key)
+        self._tier.on_access(key)
         link = self._links.get(key)
         if link is not None and link.in_tier and link.sampled:
             self._simulate(key, link.parent)
 
     def on_remove(self, key: bytes) -> None:
-        for policy in self._policies:
-            policy.on_remove(key)
+        self._tier.on_remove(key)
         link = self._links.get(key)
         if link is None or not link.in_tier:
             return
@@ -156,10 +216,10 @@ class SelectorPolicy(EvictionPolicy):
         self._forget_if_unused(key, link)
 
     def victims(self, evictable: Callable[[bytes], bool] = lambda k: True) -> Iterator[bytes]:
-        return self._policies[self._leader].victims(evictable)
+        return self._tier.victims(self._leader, evictable)
 
     def has_resident_children(self, key: bytes) -> bool:
-        return self._policies[self._leader].has_resident_children(key)  # every candidate sees the same tier
+        return self._tier.has_resident_children(key)
 
     # ---- the miniatures ------------------------------------------------------------------------
 

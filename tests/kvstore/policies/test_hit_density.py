@@ -1,6 +1,10 @@
 """HitDensity: leaves ranked by learned hit density; it learns which classes of blocks return."""
 
-from kvstore.policies import HitDensityPolicy
+import random
+
+import pytest
+
+from kvstore.policies import HitDensityPolicy, LRUPolicy, PooledHitDensityPolicy
 from kvstore.replay import replay
 from kvstore.synthetic_traces import multi_turn_chat
 from kvstore.trace import TraceRequest
@@ -54,3 +58,94 @@ def test_on_multi_turn_chat_it_does_not_lose_to_lru():
         lru = replay(trace, capacity, "lru", with_optimal=False)
         density = replay(trace, capacity, "hit_density", with_optimal=False)
         assert density.hit_tokens >= 0.98 * lru.hit_tokens, (fraction, density.hit_tokens, lru.hit_tokens)
+
+
+def drive(policies: list, steps: int, capacity: int, seed: int, on_evict=None) -> None:
+    """Chains of 1-6 blocks, a third of them re-reading an earlier chain, told to every policy;
+    ``on_evict(policies)`` returns the victim whenever the first policy's tier is full."""
+    rng = random.Random(seed)
+    chains: list[list[bytes]] = []
+    resident: set[bytes] = set()
+    next_key = 1
+    for _ in range(steps):
+        if chains and rng.random() < 0.35:
+            chain = rng.choice(chains)
+        else:
+            chain = [k(next_key + i) for i in range(rng.randint(1, 6))]
+            next_key += len(chain)
+            chains.append(chain)
+        for i, key in enumerate(chain):
+            parent = chain[i - 1] if i else None
+            if key in resident:
+                for policy in policies:
+                    policy.on_access(key)
+                continue
+            if parent is not None and parent not in resident:
+                break  # the prefix was evicted: nothing past it is stored
+            for policy in policies:
+                policy.admit(key, parent, 1)
+            while len(resident) >= capacity:
+                victim = on_evict(policies)
+                for policy in policies:
+                    policy.on_remove(victim)
+                resident.discard(victim)
+            for policy in policies:
+                policy.on_insert(key, parent, 1)
+            resident.add(key)
+
+
+def test_schemes_sharing_one_record_evict_exactly_as_each_kind_alone():
+    """adaptive's candidates share one HitDensity record: each must still evict what its own
+    policy would, through densities refitted (thousands of inserts) and a trimmed history."""
+    shared = HitDensityPolicy(schemes=(HitDensityPolicy, PooledHitDensityPolicy))
+    alone = [HitDensityPolicy(), PooledHitDensityPolicy()]
+    assert shared.scheme_names == ("hit_density", "hit_density_pooled")
+    leaders = random.Random(3)
+    compared = []
+
+    def evict(policies: list) -> bytes:
+        scheme = leaders.randrange(2)  # the leader changes at random
+        victims_shared, victims_alone = shared.victims_of(scheme), alone[scheme].victims()
+        victim = next(victims_shared)
+        assert victim == next(victims_alone)
+        victims_shared.close(), victims_alone.close()
+        compared.append(scheme)
+        return victim
+
+    drive([shared, *alone], steps=3000, capacity=48, seed=7, on_evict=evict)
+    assert len(shared._history) < len(shared._entries) * 8 + 1025 and shared._now > 4 * 1024
+    assert compared.count(0) > 1000 and compared.count(1) > 1000
+
+
+def test_the_leaf_set_and_the_age_slices_agree_with_the_history():
+    """Two shortcuts read the history without a lookup per key: each leaf's copy of its record,
+    and the censored counts taken one slice of the (ordered) history per age bucket."""
+    policy = HitDensityPolicy()
+    keeper = k(10**6)  # a leaf never referenced again and never evicted: the history forgets it
+    policy.on_insert(keeper, None, 1)
+    drive([policy], steps=2500, capacity=40, seed=11,
+          on_evict=lambda policies: next(policies[0].victims(lambda key: key != keeper)))
+    forgotten = 0
+    for at, key in enumerate(policy._leaves):
+        seen = policy._history.get(key)
+        if seen is None:
+            assert policy._leaf_cls[at] == policy._forgotten
+            forgotten += 1
+        else:
+            assert (policy._leaf_cls[at], policy._leaf_last[at]) == (seen.cls, seen.last)
+    expected = [[0.0] * policy.age_buckets for _ in range(policy._fine_classes)]
+    for seen in policy._history.values():
+        expected[seen.cls][policy._bucket(policy._now - seen.last)] += 1
+    assert policy._waiting() == expected
+    assert forgotten >= 1 and policy._density_of(policy._schemes[0], keeper) == 0.0
+    assert sum(map(sum, expected)) == len(policy._history) > 1024
+
+
+def test_only_hit_density_kinds_that_differ_in_use_classes_can_share_a_record():
+    class Wider(HitDensityPolicy):
+        samples = 64
+
+    with pytest.raises(ValueError, match="differ in use_classes only"):
+        HitDensityPolicy(schemes=(HitDensityPolicy, Wider))
+    with pytest.raises(ValueError, match="differ in use_classes only"):
+        HitDensityPolicy(schemes=(HitDensityPolicy, LRUPolicy))
