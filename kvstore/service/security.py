@@ -4,10 +4,10 @@ Policy (``check_exposure``), applied to both the gRPC and the HTTP address at st
 
     unix:PATH, 127.0.0.0/8, ::1, localhost    open (the socket's file mode or the host is the boundary);
                                               a configured token is still required
-    any other address                         refused unless a token is configured; gRPC also
-                                              refuses to start without TLS (cert + key) unless
-                                              allow_plaintext is set (a trusted network namespace,
-                                              e.g. inside one pod)
+    any other address                         refused unless a token is configured, and refused
+                                              without TLS (cert + key) unless allow_plaintext is
+                                              set (a trusted network namespace, e.g. inside one
+                                              pod): a bearer token sent in plain text is anyone's
 
 Mechanism: ``BearerAuthInterceptor`` checks ``authorization: Bearer TOKEN`` on every gRPC call
 except the health service (probes carry no token) in constant time, and answers UNAUTHENTICATED
@@ -42,15 +42,14 @@ def is_local_address(address: str) -> bool:
         return False  # a host name or a wildcard: reachable from elsewhere
 
 
-def check_exposure(what: str, address: str, token: str | None, tls: bool, allow_plaintext: bool,
-                   needs_tls: bool = True) -> None:
+def check_exposure(what: str, address: str, token: str | None, tls: bool, allow_plaintext: bool) -> None:
     """Raise ``InvalidRequest`` if listening on ``address`` would expose the store without auth."""
     if is_local_address(address):
         return
     if token is None:
         raise InvalidRequest(f"{what} {address!r} is reachable from other hosts: give a bearer token "
                              "(--token-file FILE or KVSTORE_TOKEN), or listen on loopback or a unix socket")
-    if needs_tls and not tls and not allow_plaintext:
+    if not tls and not allow_plaintext:
         raise InvalidRequest(f"{what} {address!r} is reachable from other hosts: give --tls-cert and --tls-key "
                              "(or --allow-plaintext inside a trusted network namespace only)")
 

@@ -137,7 +137,7 @@ async def serve(config: ServeConfig, store_config: StoreConfig, ready: Callable[
         security.check_exposure("--data-address", data_address, token, tls is not None, config.allow_plaintext)
     if config.http_address != HTTP_OFF:
         security.check_exposure("--http-address", config.http_address, token, tls is not None,
-                                config.allow_plaintext, needs_tls=False)
+                                config.allow_plaintext)
     if config.durable_puts and store_config.disk is None:
         raise InvalidRequest("durable puts need a disk tier: give --disk-capacity, or drop --durable-puts")
     shm_dir = store_config.host.shm_dir if store_config.host else None

@@ -85,7 +85,9 @@ def test_exposure_beyond_loopback_needs_a_token_and_tls_unless_plaintext_is_allo
     with pytest.raises(InvalidRequest, match="give --tls-cert and --tls-key"):
         security.check_exposure("--address", "0.0.0.0:1", "t", tls=False, allow_plaintext=False)
     security.check_exposure("--address", "0.0.0.0:1", "t", tls=False, allow_plaintext=True)
-    security.check_exposure("--http-address", "0.0.0.0:1", "t", tls=False, allow_plaintext=False, needs_tls=False)
+    with pytest.raises(InvalidRequest, match="--http-address '0.0.0.0:1' .* give --tls-cert and --tls-key"):
+        security.check_exposure("--http-address", "0.0.0.0:1", "t", tls=False, allow_plaintext=False)
+    security.check_exposure("--http-address", "0.0.0.0:1", "t", tls=True, allow_plaintext=False)
 
 
 def test_token_comes_from_a_file_and_an_empty_one_is_an_error(tmp_path):

@@ -94,6 +94,15 @@ def test_serve_refuses_a_bad_address_with_a_message(tmp_path):
         assert done.returncode == 2 and message in done.stderr, done.stderr
 
 
+def test_serve_refuses_to_send_a_token_over_plain_http_beyond_loopback(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "kvstore.service", "--http-address", "0.0.0.0:0", "--data-dir",
+                           str(tmp_path), "--host-capacity", "1MiB", "--disk-capacity", "16MiB"],
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": REPO, "KVSTORE_TOKEN": "secret"})
+    assert done.returncode == 2
+    assert "--http-address '0.0.0.0:0' is reachable from other hosts: give --tls-cert and --tls-key" in done.stderr
+
+
 def test_an_integrity_failure_at_shutdown_is_named(make_store, monkeypatch):
     from kvstore.service.server import IntegrityCheckFailed, _check_integrity
 
