@@ -11,13 +11,15 @@ from typing import Callable
 
 from kvstore.policies.base import EvictionPolicy
 from kvstore.policies.hit_density import HitDensityPolicy, PooledHitDensityPolicy
-from kvstore.policies.selector import SelectorPolicy, SharedCandidates
+from kvstore.policies.selector import SelectorPolicy, SharedCandidates, _EachCandidate
 
 
 class AdaptivePolicy(SelectorPolicy):
     name = "adaptive"
     candidates = (HitDensityPolicy, PooledHitDensityPolicy)
 
-    def _tier_candidates(self, makers: tuple[Callable[[], EvictionPolicy], ...]) -> SharedCandidates:
-        """Both candidates are HitDensity kinds: one record of the tier serves both."""
-        return SharedCandidates(HitDensityPolicy(schemes=makers))
+    def _tier_candidates(self, makers: tuple[Callable[[], EvictionPolicy], ...]) -> _EachCandidate | SharedCandidates:
+        """HitDensity kinds (the default candidates) share one record of the tier; others each keep their own."""
+        if HitDensityPolicy.can_share(makers):
+            return SharedCandidates(HitDensityPolicy(schemes=makers))  # type: ignore[arg-type]  # checked: classes
+        return super()._tier_candidates(makers)

@@ -122,15 +122,28 @@ class HitDensityPolicy(ChainPolicy):
     run_classes = 8  # log2 run length of once-referenced blocks: 1, 2-3, ..., 128+
     first_reconfigure = 1024  # inserts before the first densities; then every max(1024, resident/2)
 
+    _shared = ("samples", "per_octave", "age_buckets", "history_factor", "run_classes", "first_reconfigure")
+
+    @staticmethod
+    def can_share(kinds: Sequence[object]) -> bool:
+        """True if ``kinds`` can be the schemes of one record: HitDensity classes that change
+        nothing but constants, and of those nothing but ``use_classes`` (and their name)."""
+        def only_constants(kind: type) -> bool:
+            own = kind.__mro__[:kind.__mro__.index(HitDensityPolicy)]
+            return all(not callable(v) for c in own for k, v in vars(c).items() if not k.startswith("__"))
+
+        if not all(isinstance(kind, type) and issubclass(kind, HitDensityPolicy) and only_constants(kind)
+                   for kind in kinds):
+            return False
+        return all(getattr(kind, a) == getattr(kinds[0], a) for kind in kinds for a in HitDensityPolicy._shared)
+
     def __init__(self, seed: int = 0x1D, schemes: Sequence[type[HitDensityPolicy]] = ()) -> None:
         super().__init__()
         kinds = tuple(schemes) or (type(self),)
-        shared = ("samples", "per_octave", "age_buckets", "history_factor", "run_classes", "first_reconfigure")
-        for kind in kinds:
-            is_kind = isinstance(kind, type) and issubclass(kind, HitDensityPolicy)
-            if not is_kind or any(getattr(kind, a) != getattr(self, a) for a in shared):
-                raise ValueError(f"{getattr(kind, '__name__', kind)} cannot share a record with "
-                                 f"{type(self).__name__}: schemes are HitDensity kinds that differ in use_classes only")
+        if schemes and not self.can_share((type(self), *kinds)):
+            raise ValueError(f"{', '.join(getattr(k, '__name__', str(k)) for k in kinds)} cannot share one record: "
+                             "schemes are HitDensity classes that differ in use_classes (and name) only")
+        self.name = kinds[0].name  # the kind ``victims`` evicts as
         self._fine_use_classes = max(kind.use_classes for kind in kinds)
         self._leaves: list[bytes] = []  # resident leaves, for O(1) sampling (the base heap is unused)
         self._leaf_at: dict[bytes, int] = {}
@@ -324,6 +337,8 @@ class HitDensityPolicy(ChainPolicy):
         super().on_remove(key)
 
     def victims(self, evictable: Callable[[bytes], bool] = lambda k: True) -> Iterator[bytes]:
+        """Sampled leaves, least density first (by the first scheme); each leaf at most once per
+        call, the parent of the block being stored last of all."""
         return self.victims_of(0, evictable)
 
     def victims_of(self, scheme: int, evictable: Callable[[bytes], bool] = lambda k: True) -> Iterator[bytes]:

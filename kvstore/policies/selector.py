@@ -69,8 +69,8 @@ class _EachCandidate:
     def victims(self, candidate: int, evictable: Callable[[bytes], bool]) -> Iterator[bytes]:
         return self.policies[candidate].victims(evictable)
 
-    def has_resident_children(self, key: bytes) -> bool:
-        return self.policies[0].has_resident_children(key)  # every candidate sees the same tier
+    def has_resident_children(self, candidate: int, key: bytes) -> bool:
+        return self.policies[candidate].has_resident_children(key)
 
 
 class SharedCandidates:
@@ -96,7 +96,7 @@ class SharedCandidates:
     def victims(self, candidate: int, evictable: Callable[[bytes], bool]) -> Iterator[bytes]:
         return self.policy.victims_of(candidate, evictable)
 
-    def has_resident_children(self, key: bytes) -> bool:
+    def has_resident_children(self, candidate: int, key: bytes) -> bool:
         return self.policy.has_resident_children(key)
 
 
@@ -219,7 +219,7 @@ class SelectorPolicy(EvictionPolicy):
         return self._tier.victims(self._leader, evictable)
 
     def has_resident_children(self, key: bytes) -> bool:
-        return self._tier.has_resident_children(key)
+        return self._tier.has_resident_children(self._leader, key)
 
     # ---- the miniatures ------------------------------------------------------------------------
 

@@ -2,7 +2,8 @@
 
 import pytest
 
-from kvstore.policies import ChainPolicy, Entry, LRUPolicy, SelectorPolicy
+from kvstore.policies import ChainPolicy, Entry, HitDensityPolicy, LRUPolicy, SelectorPolicy
+from kvstore.policies.adaptive import AdaptivePolicy
 from kvstore.replay import replay
 from kvstore.synthetic_traces import multi_turn_chat
 from kvstore.trace import TraceRequest
@@ -97,3 +98,16 @@ def test_adaptive_does_not_lose_to_either_candidate_on_chat():
     pooled = replay(trace, capacity, "hit_density_pooled", with_optimal=False).hit_tokens
     adaptive = replay(trace, capacity, "adaptive", with_optimal=False).hit_tokens
     assert adaptive >= 0.98 * max(density, pooled), (adaptive, density, pooled)
+
+
+def test_adaptive_with_candidates_that_cannot_share_a_record_keeps_one_each():
+    class Reclassing(HitDensityPolicy):
+        def _class(self, uses: int, tail: bool, run_length: int = 1) -> int:
+            return 0  # every block in one class
+
+    trace = document_among_one_offs(400, document_blocks=16, one_off_blocks=4)
+    for pair in ((HitDensityPolicy, LRUPolicy), (LRUPolicy, Reclassing)):
+        adaptive_hits, adaptive = replay_with(trace, 24, lambda: AdaptivePolicy(pair))
+        selector_hits, selector = replay_with(trace, 24, lambda: SelectorPolicy(pair))
+        assert adaptive_hits == selector_hits > 0 and adaptive.leader == selector.leader
+        assert list(adaptive.miniature_hits()) == [p.name for p in pair]
