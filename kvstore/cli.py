@@ -113,7 +113,7 @@ def _cmd_fsck(args: argparse.Namespace) -> int:
 
 # The tiers a replay can split its capacity over: the store's (HostTier.name, DiskTier.name), fastest first.
 REPLAY_TIERS = ("host", "disk")
-SWEEP_FLAGS = ("capacities", "policies", "plot")
+SWEEP_FLAGS = ("capacities", "policies", "plot", "jobs")
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
@@ -134,7 +134,8 @@ def _cmd_replay(args: argparse.Namespace) -> int:
                       else default_capacities(requests, args.block_tokens))
         policies = args.policies.split(",") if args.policies else sorted(POLICIES)
         bar = progress_bars("replaying", len(requests) * len(capacities) * len(policies))
-        results = sweep(requests, capacities, policies, progress=bar, **options)
+        jobs = args.jobs if args.jobs is not None else len(os.sched_getaffinity(0))
+        results = sweep(requests, capacities, policies, progress=bar, jobs=jobs, **options)
         print(json.dumps([with_bytes(r.as_dict(), args.model) for r in results], indent=2) if args.json
               else format_sweep(results, args.model))
         if args.plot is not None:  # after the results are out, so a failing plot loses nothing
@@ -151,6 +152,8 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 
 
 def _check_replay_flags(args: argparse.Namespace) -> None:
+    if args.jobs is not None and args.jobs < 1:
+        raise InvalidRequest(f"--jobs must be at least 1, got {args.jobs}")
     if args.block_tokens <= 0:
         raise InvalidRequest(f"--block-tokens must be positive, got {args.block_tokens}")
     if args.sweep and args.capacity_tokens is not None:
@@ -249,6 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
                                           "--capacity-tokens (default: 5%%..100%% of the footprint)")
     rep.add_argument("--policies", help="with --sweep: comma-separated policies (default: all)")
     rep.add_argument("--plot", help="with --sweep: write the hit-rate curve to this PNG file")
+    rep.add_argument("--jobs", type=int, help="with --sweep: replays run at once, one process each "
+                     "(default: one per CPU this process may use)")
     rep.add_argument("--json", action="store_true", help="print JSON")
     rep.set_defaults(func=_cmd_replay)
 

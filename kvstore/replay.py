@@ -12,7 +12,9 @@ count a partial last block at its real token count.
 
 from __future__ import annotations
 
+import multiprocessing
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
@@ -169,17 +171,53 @@ def _serve_all(store: TieredStore, ns_id: bytes, spec: BlockSpec, requests: Sequ
 
 
 def sweep(requests: Sequence[TraceRequest], capacities: Sequence[int], policies: Sequence[str],
-          block_tokens: int = 512, progress: Callable[[int], None] | None = None, **kw) -> list[ReplayResult]:
-    """``replay`` at every capacity for every policy (the optimum is computed once per capacity)."""
-    results = []
-    for capacity in capacities:
-        optimal = None
-        for policy in policies:
-            result = replay(requests, capacity, policy, block_tokens=block_tokens, with_optimal=optimal is None,
-                            progress=progress, **kw)
-            optimal = result.optimal_hit_tokens if optimal is None else optimal
-            results.append(result if result.optimal_hit_tokens is not None
-                           else _with_optimal(result, optimal))
+          block_tokens: int = 512, progress: Callable[[int], None] | None = None, jobs: int = 1,
+          **kw) -> list[ReplayResult]:
+    """``replay`` at every capacity for every policy, capacity by capacity, policies in the order
+    given (the optimum is computed once per capacity). With ``jobs`` > 1 the replays run in that
+    many worker processes, with the same results (a replay is deterministic); ``progress`` then
+    moves by one whole replay at a time."""
+    if jobs < 1:
+        raise InvalidRequest(f"jobs must be at least 1, got {jobs}")
+    runs = [(capacity, policy, first == 0) for capacity in capacities for first, policy in enumerate(policies)]
+    if jobs == 1 or len(runs) < 2:
+        results = [replay(requests, capacity, policy, block_tokens=block_tokens, with_optimal=with_optimal,
+                          progress=progress, **kw) for capacity, policy, with_optimal in runs]
+    else:
+        results = _replay_in_processes(requests, runs, min(jobs, len(runs)), progress,
+                                       dict(block_tokens=block_tokens, **kw))
+    optimal = {r.capacity_tokens: r.optimal_hit_tokens for r in results if r.optimal_hit_tokens is not None}
+    return [r if r.optimal_hit_tokens is not None else _with_optimal(r, optimal[r.capacity_tokens]) for r in results]
+
+
+_worker_requests: Sequence[TraceRequest] = ()  # a sweep worker's copy of the trace, sent once per process
+
+
+def _keep_requests(requests: Sequence[TraceRequest]) -> None:
+    global _worker_requests
+    _worker_requests = requests
+
+
+def _replay_kept(capacity: int, policy: str, with_optimal: bool, options: dict) -> ReplayResult:
+    return replay(_worker_requests, capacity, policy, with_optimal=with_optimal, **options)
+
+
+def _replay_in_processes(requests: Sequence[TraceRequest], runs: list[tuple[int, str, bool]], jobs: int,
+                         progress: Callable[[int], None] | None, options: dict) -> list[ReplayResult]:
+    """``runs`` (capacity, policy, with the optimum) replayed by ``jobs`` fresh processes
+    (spawned, so no lock of this one is inherited), results in the order of ``runs``."""
+    results: list[ReplayResult | None] = [None] * len(runs)
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(jobs, mp_context=context, initializer=_keep_requests, initargs=(requests,)) as pool:
+        try:
+            pending = {pool.submit(_replay_kept, *run, options): i for i, run in enumerate(runs)}
+            for done in as_completed(pending):
+                results[pending[done]] = done.result()
+                if progress:
+                    progress(len(requests))
+        except BaseException:  # a failed replay or Ctrl-C: nothing more is started
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
     return results
 
 

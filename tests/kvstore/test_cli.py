@@ -111,6 +111,8 @@ def run_main(capsys, *args):
     (("--block-tokens", "-512"), "--block-tokens must be positive, got -512"),
     (("--plot", "c.png"), "--plot: only with --sweep"),
     (("--capacities", "1k,2k", "--policies", "lru"), "--capacities, --policies: only with --sweep"),
+    (("--jobs", "2"), "--jobs: only with --sweep"),
+    (("--sweep", "--jobs", "0"), "--jobs must be at least 1, got 0"),
     (("--sweep",), "--capacity-tokens is for one replay; with --sweep give --capacities"),
 ])
 def test_replay_refuses_flags_it_would_ignore_or_misread(capsys, trace, args, message):

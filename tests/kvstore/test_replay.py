@@ -1,6 +1,7 @@
 """Trace replay through the real store: exact hit counts, tier splits, determinism, the CLI."""
 
 import json
+import random
 import os
 import subprocess
 import sys
@@ -45,7 +46,6 @@ def test_tier_split_reports_hits_per_tier_and_splits_capacity():
 
 
 def test_replay_is_deterministic_and_never_beats_belady():
-    import random
 
     rng = random.Random(7)
     trace = [req(*[c * 1000 + d for d in range(rng.randint(1, 6))]) for c in (rng.randint(0, 30) for _ in range(400))]
@@ -61,6 +61,26 @@ def test_sweep_computes_every_capacity_and_policy():
     assert all(r.optimal_hit_tokens is not None for r in results)
     assert [r.hit_tokens for r in results] == sorted(r.hit_tokens for r in results)  # monotone here
     assert "belady" in format_sweep(results) and "lru" in format_summary(results[0], "t")
+
+
+def test_a_sweep_in_worker_processes_gives_what_one_process_gives():
+    rng = random.Random(3)
+    trace = [req(*[c * 1000 + d for d in range(rng.randint(1, 6))]) for c in (rng.randint(0, 40) for _ in range(500))]
+    capacities, policies = [4 * B, 12 * B, 30 * B], ["lru", "adaptive"]
+    moved = []
+    alone = sweep(trace, capacities, policies)
+    together = sweep(trace, capacities, policies, jobs=2, progress=moved.append)
+    without_time = lambda r: {**r.as_dict(), "elapsed_s": None}  # noqa: E731
+    assert [without_time(r) for r in together] == [without_time(r) for r in alone]
+    assert [(r.capacity_tokens, r.policy) for r in together] == [(c, p) for c in capacities for p in policies]
+    assert len({r.hit_tokens for r in together}) > 1 and sum(moved) == len(trace) * 6
+
+
+def test_a_replay_failing_in_a_worker_fails_the_sweep():
+    with pytest.raises(InvalidRequest, match="below one"):
+        sweep([req(1), req(1)], [4 * B, B // 2], ["lru"], jobs=2)
+    with pytest.raises(InvalidRequest, match="jobs must be at least 1"):
+        sweep([req(1)], [4 * B], ["lru"], jobs=0)
 
 
 def test_default_capacities_span_the_footprint():
