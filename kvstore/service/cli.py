@@ -49,7 +49,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-cert", help="PEM certificate chain: serve gRPC and HTTP over TLS")
     parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
     parser.add_argument("--allow-plaintext", action="store_const", const=True,
-                        help="serve gRPC and HTTP beyond loopback without TLS "
+                        help="serve gRPC, the data plane and HTTP beyond loopback without TLS "
                              "(inside a trusted network namespace only)")
     parser.add_argument("--protect-metrics", action="store_const", const=True,
                         help="/metrics needs the bearer token too")

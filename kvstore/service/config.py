@@ -9,7 +9,7 @@ Flags override the environment, the environment overrides the embedded defaults:
                                           for a unix socket) or "off"
     KVSTORE_TOKEN / KVSTORE_TOKEN_FILE    the bearer token, or a file whose first line is it
     KVSTORE_TLS_CERT, KVSTORE_TLS_KEY     PEM files: gRPC (and HTTP) over TLS
-    KVSTORE_ALLOW_PLAINTEXT=0             serve gRPC and HTTP beyond loopback without TLS (trusted networks only)
+    KVSTORE_ALLOW_PLAINTEXT=0             serve every port beyond loopback without TLS (trusted networks only)
     KVSTORE_PROTECT_METRICS=0             /metrics needs the token too
     KVSTORE_STAGING_BYTES=256MiB          shared-memory staging for same-host puts; 0 disables it
     KVSTORE_DURABLE_PUTS=0                answer a put only once it is fsynced to the disk tier
