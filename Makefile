@@ -1,6 +1,6 @@
 # The two commands a newcomer needs: `make run` and `make test`.
-# Both create .venv and install everything on first use (torch first, pinned to the CPU build
-# where no GPU exists: an unpinned torch would pull a multi-gigabyte CUDA build).
+# Both create .venv and install everything on first use (torch first, pinned: an unpinned torch
+# would pull the newest multi-gigabyte CUDA build; TORCH=... picks another, see the README).
 
 PYTHON ?= python3
 VENV   ?= .venv

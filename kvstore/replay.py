@@ -175,8 +175,8 @@ def sweep(requests: Sequence[TraceRequest], capacities: Sequence[int], policies:
           **kw) -> list[ReplayResult]:
     """``replay`` at every capacity for every policy, capacity by capacity, policies in the order
     given (the optimum is computed once per capacity). With ``jobs`` > 1 the replays run in that
-    many worker processes, with the same results (a replay is deterministic); ``progress`` then
-    moves by one whole replay at a time."""
+    many worker processes, with the same results (a replay is deterministic); policies are then
+    given by name, and ``progress`` moves by one whole replay at a time."""
     if jobs < 1:
         raise InvalidRequest(f"jobs must be at least 1, got {jobs}")
     runs = [(capacity, policy, first == 0) for capacity in capacities for first, policy in enumerate(policies)]
