@@ -13,8 +13,8 @@ count a partial last block at its real token count.
 from __future__ import annotations
 
 import multiprocessing
+import signal
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
@@ -193,31 +193,34 @@ def sweep(requests: Sequence[TraceRequest], capacities: Sequence[int], policies:
 _worker_requests: Sequence[TraceRequest] = ()  # a sweep worker's copy of the trace, sent once per process
 
 
-def _keep_requests(requests: Sequence[TraceRequest]) -> None:
+def _start_worker(requests: Sequence[TraceRequest]) -> None:
     global _worker_requests
     _worker_requests = requests
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it ends the workers
 
 
-def _replay_kept(capacity: int, policy: str, with_optimal: bool, options: dict) -> ReplayResult:
-    return replay(_worker_requests, capacity, policy, with_optimal=with_optimal, **options)
+def _replay_numbered(numbered_run: tuple[int, tuple[int, str, bool, dict]]) -> tuple[int, ReplayResult]:
+    number, (capacity, policy, with_optimal, options) = numbered_run
+    return number, replay(_worker_requests, capacity, policy, with_optimal=with_optimal, **options)
 
 
 def _replay_in_processes(requests: Sequence[TraceRequest], runs: list[tuple[int, str, bool]], jobs: int,
                          progress: Callable[[int], None] | None, options: dict) -> list[ReplayResult]:
     """``runs`` (capacity, policy, with the optimum) replayed by ``jobs`` fresh processes
-    (spawned, so no lock of this one is inherited), results in the order of ``runs``."""
+    (spawned, so no lock of this one is inherited), results in the order of ``runs``. A failed
+    replay or Ctrl-C ends every worker at once."""
     results: list[ReplayResult | None] = [None] * len(runs)
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(jobs, mp_context=context, initializer=_keep_requests, initargs=(requests,)) as pool:
-        try:
-            pending = {pool.submit(_replay_kept, *run, options): i for i, run in enumerate(runs)}
-            for done in as_completed(pending):
-                results[pending[done]] = done.result()
-                if progress:
-                    progress(len(requests))
-        except BaseException:  # a failed replay or Ctrl-C: nothing more is started
-            pool.shutdown(wait=False, cancel_futures=True)
-            raise
+    pool = multiprocessing.get_context("spawn").Pool(jobs, initializer=_start_worker, initargs=(requests,))
+    try:
+        numbered = [(i, (*run, options)) for i, run in enumerate(runs)]
+        for number, result in pool.imap_unordered(_replay_numbered, numbered):
+            results[number] = result
+            if progress:
+                progress(len(requests))
+        pool.close()
+    finally:
+        pool.terminate()  # nothing left to run on success; on failure, stops what still runs
+        pool.join()
     return results
 
 
