@@ -11,14 +11,15 @@ from typing import Callable
 
 from kvstore.policies.base import EvictionPolicy
 from kvstore.policies.hit_density import HitDensityPolicy, PooledHitDensityPolicy
-from kvstore.policies.selector import SelectorPolicy, SharedCandidates, _EachCandidate
+from kvstore.policies.selector import SelectorPolicy, SeparateCandidates, SharedCandidates
 
 
 class AdaptivePolicy(SelectorPolicy):
     name = "adaptive"
     candidates = (HitDensityPolicy, PooledHitDensityPolicy)
 
-    def _tier_candidates(self, makers: tuple[Callable[[], EvictionPolicy], ...]) -> _EachCandidate | SharedCandidates:
+    def _tier_candidates(self, makers: tuple[Callable[[], EvictionPolicy], ...]
+                         ) -> SeparateCandidates | SharedCandidates:
         """HitDensity kinds (the default candidates) share one record of the tier; others each keep their own."""
         if HitDensityPolicy.can_share(makers):
             return SharedCandidates(HitDensityPolicy(schemes=makers))  # type: ignore[arg-type]  # checked: classes

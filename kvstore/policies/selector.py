@@ -44,7 +44,7 @@ class _Link:
         self.parent, self.sampled, self.in_tier = parent, sampled, False
 
 
-class _EachCandidate:
+class SeparateCandidates:
     """Candidates as separate policies, each told every event of the tier."""
 
     def __init__(self, policies: list[EvictionPolicy]) -> None:
@@ -157,9 +157,10 @@ class SelectorPolicy(EvictionPolicy):
         self._since_comparison = 0  # sampled references
         self._decay = 0.5 ** (1.0 / self.half_life_fills)
 
-    def _tier_candidates(self, makers: tuple[Callable[[], EvictionPolicy], ...]) -> _EachCandidate | SharedCandidates:
+    def _tier_candidates(self, makers: tuple[Callable[[], EvictionPolicy], ...]
+                         ) -> SeparateCandidates | SharedCandidates:
         """The candidates that rank the tier's own blocks. Subclasses may share their upkeep."""
-        return _EachCandidate([make() for make in makers])
+        return SeparateCandidates([make() for make in makers])
 
     # ---- what the selector exposes -------------------------------------------------------------
 
