@@ -27,11 +27,18 @@ from kvstore.sizing import MODELS
 from kvstore.store import WRITE_POLICIES
 
 
-def progress_bars(label: str, total: int) -> Callable[[int], None]:
-    """A tqdm bar on a terminal (bytes), silent elsewhere."""
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity where the OS tells it, else all of them)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def progress_bars(label: str, total: int, unit: str = "B") -> Callable[[int], None]:
+    """A tqdm bar on a terminal (bytes, or ``unit``), silent elsewhere."""
     from tqdm import tqdm
 
-    bar = tqdm(total=total, desc=label, unit="B", unit_scale=True, disable=None, file=sys.stderr, leave=False)
+    bar = tqdm(total=total, desc=label, unit=unit, unit_scale=True, disable=None, file=sys.stderr, leave=False)
     return bar.update
 
 
@@ -133,8 +140,12 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         capacities = ([parse_capacity(c, args.model) for c in args.capacities.split(",")] if args.capacities
                       else default_capacities(requests, args.block_tokens))
         policies = args.policies.split(",") if args.policies else sorted(POLICIES)
-        bar = progress_bars("replaying", len(requests) * len(capacities) * len(policies))
-        jobs = args.jobs if args.jobs is not None else len(os.sched_getaffinity(0))
+        unknown = [p for p in policies if p not in POLICIES]
+        if unknown:  # before any replay runs, not when the first of them comes up
+            raise InvalidRequest(f"--policies: unknown {', '.join(map(repr, unknown))}; "
+                                 f"give some of {', '.join(sorted(POLICIES))}")
+        bar = progress_bars("replaying", len(requests) * len(capacities) * len(policies), unit=" requests")
+        jobs = args.jobs if args.jobs is not None else usable_cpus()
         results = sweep(requests, capacities, policies, progress=bar, jobs=jobs, **options)
         print(json.dumps([with_bytes(r.as_dict(), args.model) for r in results], indent=2) if args.json
               else format_sweep(results, args.model))
@@ -143,7 +154,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         return 0
     if not args.capacity_tokens:
         raise InvalidRequest("give --capacity-tokens N (e.g. 3M), or --sweep for a range of capacities")
-    bar = progress_bars("replaying", len(requests))
+    bar = progress_bars("replaying", len(requests), unit=" requests")
     result = replay(requests, parse_capacity(args.capacity_tokens, args.model), args.policy, progress=bar,
                     with_optimal=not args.no_optimal, **options)
     print(json.dumps(with_bytes(result.as_dict(), args.model), indent=2) if args.json

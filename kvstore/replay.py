@@ -12,8 +12,6 @@ count a partial last block at its real token count.
 
 from __future__ import annotations
 
-import multiprocessing
-import signal
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
@@ -24,6 +22,7 @@ from kvstore.belady import infinite_hit_tokens, optimal_hit_tokens
 from kvstore.errors import InvalidRequest
 from kvstore.keys import Namespace
 from kvstore.policies import DEFAULT_POLICY
+from kvstore.replay_workers import replay_in_processes
 from kvstore.layout import BlockSpec
 from kvstore.store import TieredStore
 from kvstore.tiers.accounting import AccountingTier
@@ -167,6 +166,8 @@ def _serve_all(store: TieredStore, ns_id: bytes, spec: BlockSpec, requests: Sequ
             store.put(ns_id, hashes[done:], [scratch] * (len(hashes) - done), parent=parent)
         if progress and number % 256 == 0:
             progress(256)
+    if progress:
+        progress(len(requests) % 256)
     return hit_tokens, tier_hits
 
 
@@ -175,8 +176,9 @@ def sweep(requests: Sequence[TraceRequest], capacities: Sequence[int], policies:
           **kw) -> list[ReplayResult]:
     """``replay`` at every capacity for every policy, capacity by capacity, policies in the order
     given (the optimum is computed once per capacity). With ``jobs`` > 1 the replays run in that
-    many worker processes, with the same results (a replay is deterministic); policies are then
-    given by name, and ``progress`` moves by one whole replay at a time."""
+    many worker processes (``kvstore.replay_workers``), with the same results but for their
+    ``elapsed_s`` (a replay is deterministic); policies are then given by name, and ``progress``
+    moves by one whole replay at a time."""
     if jobs < 1:
         raise InvalidRequest(f"jobs must be at least 1, got {jobs}")
     runs = [(capacity, policy, first == 0) for capacity in capacities for first, policy in enumerate(policies)]
@@ -184,44 +186,9 @@ def sweep(requests: Sequence[TraceRequest], capacities: Sequence[int], policies:
         results = [replay(requests, capacity, policy, block_tokens=block_tokens, with_optimal=with_optimal,
                           progress=progress, **kw) for capacity, policy, with_optimal in runs]
     else:
-        results = _replay_in_processes(requests, runs, min(jobs, len(runs)), progress,
-                                       dict(block_tokens=block_tokens, **kw))
+        results = replay_in_processes(requests, runs, jobs, dict(block_tokens=block_tokens, **kw), progress)
     optimal = {r.capacity_tokens: r.optimal_hit_tokens for r in results if r.optimal_hit_tokens is not None}
     return [r if r.optimal_hit_tokens is not None else _with_optimal(r, optimal[r.capacity_tokens]) for r in results]
-
-
-_worker_requests: Sequence[TraceRequest] = ()  # a sweep worker's copy of the trace, sent once per process
-
-
-def _start_worker(requests: Sequence[TraceRequest]) -> None:
-    global _worker_requests
-    _worker_requests = requests
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it ends the workers
-
-
-def _replay_numbered(numbered_run: tuple[int, tuple[int, str, bool, dict]]) -> tuple[int, ReplayResult]:
-    number, (capacity, policy, with_optimal, options) = numbered_run
-    return number, replay(_worker_requests, capacity, policy, with_optimal=with_optimal, **options)
-
-
-def _replay_in_processes(requests: Sequence[TraceRequest], runs: list[tuple[int, str, bool]], jobs: int,
-                         progress: Callable[[int], None] | None, options: dict) -> list[ReplayResult]:
-    """``runs`` (capacity, policy, with the optimum) replayed by ``jobs`` fresh processes
-    (spawned, so no lock of this one is inherited), results in the order of ``runs``. A failed
-    replay or Ctrl-C ends every worker at once."""
-    results: list[ReplayResult | None] = [None] * len(runs)
-    pool = multiprocessing.get_context("spawn").Pool(jobs, initializer=_start_worker, initargs=(requests,))
-    try:
-        numbered = [(i, (*run, options)) for i, run in enumerate(runs)]
-        for number, result in pool.imap_unordered(_replay_numbered, numbered):
-            results[number] = result
-            if progress:
-                progress(len(requests))
-        pool.close()
-    finally:
-        pool.terminate()  # nothing left to run on success; on failure, stops what still runs
-        pool.join()
-    return results
 
 
 def _with_optimal(result: ReplayResult, optimal: int) -> ReplayResult:

@@ -190,6 +190,14 @@ def test_a_sweep_says_what_capacity_keeps_each_fraction_of_the_max(capsys, trace
     assert [row.split()[0] for row in sizing[2:]] == ["50%", "75%", "90%"]
 
 
+def test_a_sweep_refuses_an_unknown_policy_before_replaying(capsys, monkeypatch, trace):
+    import kvstore.replay
+
+    monkeypatch.setattr(kvstore.replay, "replay", lambda *a, **kw: pytest.fail("a replay ran"))
+    code, out, err = run_main(capsys, "replay", trace, "--sweep", "--capacities", "2k", "--policies", "lru,nope")
+    assert (code, out) == (2, "") and "--policies: unknown 'nope'; give some of adaptive, hit_density" in err
+
+
 def test_a_capacity_in_bytes_needs_a_model(capsys, trace):
     code, out, err = run_main(capsys, "replay", trace, "--capacity-tokens", "1GiB")
     assert (code, out) == (2, "") and "'1GiB' is a size in bytes: give --model" in err
