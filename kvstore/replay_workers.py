@@ -41,7 +41,7 @@ def replay_in_processes(requests: Sequence[TraceRequest], runs: Sequence[Run], j
     ``jobs`` worker processes; results in the order of ``runs``. ``progress`` moves by
     ``len(requests)`` as each replay ends."""
     results: list[ReplayResult | None] = [None] * len(runs)
-    todo = list(enumerate(runs))[::-1]  # popped from the end: first runs first
+    unstarted = list(enumerate(runs))[::-1]  # popped from the end: first runs first
     workers: dict[Connection, multiprocessing.process.BaseProcess] = {}
     try:
         with _signal_ignored(signal.SIGINT):  # inherited ignored by the workers from their start
@@ -50,7 +50,7 @@ def replay_in_processes(requests: Sequence[TraceRequest], runs: Sequence[Run], j
             doing: dict[Connection, tuple[int, Run]] = {}
             for conn, process in workers.items():
                 _send(conn, process, (list(requests), options))
-                _hand_out(conn, process, todo, doing)
+                _hand_out(conn, process, unstarted, doing)
             while doing:
                 sentinels = {workers[conn].sentinel: conn for conn in doing}
                 for ready in wait([*doing, *sentinels]):
@@ -61,7 +61,7 @@ def replay_in_processes(requests: Sequence[TraceRequest], runs: Sequence[Run], j
                     results[number] = _result_of(conn, workers[conn], run)
                     if progress:
                         progress(len(requests))
-                    _hand_out(conn, workers[conn], todo, doing)
+                    _hand_out(conn, workers[conn], unstarted, doing)
     finally:
         _end(workers)
     return results
@@ -79,13 +79,13 @@ def _start(count: int) -> dict[Connection, multiprocessing.process.BaseProcess]:
     return workers
 
 
-def _hand_out(conn: Connection, process: multiprocessing.process.BaseProcess, todo: list[tuple[int, Run]],
+def _hand_out(conn: Connection, process: multiprocessing.process.BaseProcess, unstarted: list[tuple[int, Run]],
               doing: dict[Connection, tuple[int, Run]]) -> None:
     """The next run to a worker that is free, or its stop signal (None) when none is left."""
-    if not todo:
+    if not unstarted:
         _send(conn, process, None)
         return
-    number, run = todo.pop()
+    number, run = unstarted.pop()
     _send(conn, process, run)
     doing[conn] = (number, run)
 
