@@ -45,7 +45,7 @@ def replay_in_processes(requests: Sequence[TraceRequest], runs: Sequence[Run], j
     workers: dict[Connection, multiprocessing.process.BaseProcess] = {}
     try:
         with _signal_ignored(signal.SIGINT):  # inherited ignored by the workers from their start
-            workers = _start(min(jobs, len(runs)))
+            _start(min(jobs, len(runs)), workers)
         with _signal_raises_exit(signal.SIGTERM):
             doing: dict[Connection, tuple[int, Run]] = {}
             for conn, process in workers.items():
@@ -67,16 +67,15 @@ def replay_in_processes(requests: Sequence[TraceRequest], runs: Sequence[Run], j
     return results
 
 
-def _start(count: int) -> dict[Connection, multiprocessing.process.BaseProcess]:
+def _start(count: int, workers: dict[Connection, multiprocessing.process.BaseProcess]) -> None:
+    """``count`` workers into ``workers`` one by one, so those started are ended if a later one fails."""
     context = multiprocessing.get_context("spawn")
-    workers = {}
     for _ in range(count):
         parent_end, child_end = context.Pipe()
         process = context.Process(target=_work, args=(child_end,), daemon=True, name="kvstore-replay")
         process.start()
         child_end.close()
         workers[parent_end] = process
-    return workers
 
 
 def _hand_out(conn: Connection, process: multiprocessing.process.BaseProcess, unstarted: list[tuple[int, Run]],
