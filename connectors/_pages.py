@@ -11,6 +11,7 @@ import logging
 import warnings
 import queue
 import threading
+import time
 from typing import Callable, Sequence
 
 import numpy as np
@@ -21,6 +22,14 @@ from kvstore.buffers import aligned_empty
 from kvstore.layout import BlockSpec
 
 log = logging.getLogger("connectors")
+DEFAULT_LOAD_TIMEOUT_S = 30.0  # far beyond a healthy load (GB/s), well short of a hung request
+
+
+def check_load_timeout(seconds: float | None) -> float | None:
+    """A load deadline as the connectors take it: positive seconds, or None for no deadline."""
+    if seconds is not None and not seconds > 0:
+        raise ValueError(f"load_timeout_s must be positive seconds or None (no deadline), not {seconds!r}")
+    return seconds
 
 
 def host_view(t: torch.Tensor) -> np.ndarray:
@@ -54,7 +63,10 @@ def scatter_layer(spec: BlockSpec, pool: PageBytes, layer: int, page: int, paylo
     """Write layer ``layer`` of a block payload into ``page`` (a CPU or device page alike)."""
     offset, size = spec.layer_range(layer)
     target = pool.layer_page_bytes(layer, page)  # [layer_bytes] uint8
-    target.copy_(_source_tensor(payload[offset : offset + size]).view(target.dtype).reshape(target.shape))
+    if target.device.type == "cpu":  # numpy: torch's copy_ on a load's thread is ~9x slower (intra-op threads)
+        np.copyto(host_view(target), payload[offset : offset + size])
+    else:
+        target.copy_(_source_tensor(payload[offset : offset + size]).view(target.dtype).reshape(target.shape))
 
 
 def _source_tensor(source: np.ndarray) -> torch.Tensor:
@@ -66,23 +78,68 @@ def _source_tensor(source: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(source)
 
 
-class BackgroundLoad(LoadHandle):
-    """A load running ``body(layer_done)`` on its own thread.
+class LoadAbandoned(LoadFailed):
+    """The engine stopped waiting for a load (past its deadline): nothing more lands in its pages."""
 
-    ``body`` copies the blocks into their pages and calls ``layer_done(n)`` once layers ``[0, n)``
-    of every block are in place (calls must not decrease); it returns normally when the whole load
-    is in place. Any exception from ``body`` fails the load (``wait_layer`` raises ``LoadFailed``
-    for the layers not yet done), never the engine. ``finish`` runs last, whatever happened (it
-    ends the lease).
+
+class PageFence:
+    """Admits a load's writes into the engine's pages until the engine gives up on the load.
+
+    Each write runs inside ``with fence:`` and must be a memory copy out of bytes the load already
+    holds (its own buffers, or shared memory it has pinned), never a store call or I/O: ``close``
+    waits for the write in progress, so it is bounded only if writes are. After ``close`` every
+    write raises ``LoadAbandoned``, so pages the engine recomputes are never overwritten late.
     """
 
-    def __init__(self, name: str, blocks: int, num_layers: int, body: Callable[[Callable[[int], None]], None],
-                 finish: Callable[[], None] = lambda: None, logger: logging.Logger = log):
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+        if self._closed:
+            self._lock.release()
+            raise LoadAbandoned("the engine gave up on this load; its pages are no longer ours")
+
+    def __exit__(self, *exc) -> None:
+        self._lock.release()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+
+
+class BackgroundLoad(LoadHandle):
+    """A load running ``body(layer_done, fence)`` on its own thread, waited for at most ``deadline_s``.
+
+    ``body`` copies the blocks into their pages, each write inside ``with fence:`` (``PageFence``:
+    reads from the store go into the load's own buffers first), and calls ``layer_done(n)`` outside
+    the fence once layers ``[0, n)`` of every block are in place (calls must not decrease); it
+    returns normally when the whole load is in place. Any exception from ``body`` fails the load
+    (``wait_layer`` raises ``LoadFailed`` for the layers not yet done), never the engine.
+    ``finish`` runs last, whatever happened (it ends the lease).
+
+    A load not done ``deadline_s`` after it started (a disk read that hangs, a store lock held by
+    one) is abandoned by the first wait that runs out: its fence closes, so whatever it still
+    does later writes nothing into the engine's pages, and the load counts as failed unless every
+    layer was already in place. The engine then recomputes those pages at once instead of hanging
+    with the load. ``deadline_s=None`` waits forever.
+    """
+
+    def __init__(self, name: str, blocks: int, num_layers: int,
+                 body: Callable[[Callable[[int], None], PageFence], None],
+                 finish: Callable[[], None] = lambda: None, logger: logging.Logger = log,
+                 deadline_s: float | None = None):
         self._log = logger
         self._name, self._blocks, self._num_layers = name, blocks, num_layers
         self._body, self._finish = body, finish
+        self._deadline_s = check_load_timeout(deadline_s)
+        self._deadline = None if deadline_s is None else time.monotonic() + deadline_s
+        self._fence = PageFence()
         self._done_layers = 0
         self._failed: str | None = None
+        self._settled = False  # body and finish have returned
+        self._abandoned = False
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name=f"kv-load-{name}", daemon=True)
         self._thread.start()
@@ -94,25 +151,51 @@ class BackgroundLoad(LoadHandle):
 
     def _run(self) -> None:
         try:
-            self._body(self._layer_done)
+            self._body(self._layer_done, self._fence)
             self._layer_done(self._num_layers)
         except Exception as exc:  # a failed load is a recompute, never a crash of the engine
-            self._log.warning("load for %s failed: %s", self._name, exc)
+            if not isinstance(exc, LoadAbandoned):
+                self._log.warning("load for %s failed: %s", self._name, exc)
             with self._cond:
-                self._failed = str(exc) or type(exc).__name__
+                self._failed = self._failed or str(exc) or type(exc).__name__
                 self._cond.notify_all()
         finally:
-            self._finish()
+            try:
+                self._finish()
+            finally:
+                with self._cond:
+                    self._settled = True
+                    self._cond.notify_all()
 
     def wait_layer(self, layer: int) -> None:
+        if not self._wait_until(lambda: self._failed is not None or self._done_layers > layer):
+            self._abandon()
         with self._cond:
-            self._cond.wait_for(lambda: self._failed is not None or self._done_layers > layer)
             if self._failed is not None and self._done_layers <= layer:
                 raise LoadFailed(self._failed)
 
     def wait(self) -> int:
-        self._thread.join()
-        return self._blocks if self._failed is None else 0
+        if not self._wait_until(lambda: self._settled or self._abandoned):
+            self._abandon()
+        with self._cond:
+            complete = self._failed is None and self._done_layers >= self._num_layers
+        return self._blocks if complete else 0
+
+    def _wait_until(self, ready: Callable[[], bool]) -> bool:
+        """Whether ``ready()`` held before the deadline (always, in the end, without one)."""
+        with self._cond:
+            remaining = None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+            return self._cond.wait_for(ready, timeout=remaining)
+
+    def _abandon(self) -> None:
+        self._fence.close()  # waits for a write in progress; none lands after this
+        with self._cond:
+            self._abandoned = True
+            if self._failed is None and self._done_layers < self._num_layers:
+                self._failed = (f"the load did not finish within its {self._deadline_s:g} s deadline "
+                                f"({self._done_layers} of {self._num_layers} layers in place)")
+                self._log.warning("load for %s abandoned: %s; the engine recomputes it", self._name, self._failed)
+            self._cond.notify_all()
 
 
 class SaveWriter:

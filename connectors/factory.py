@@ -2,6 +2,7 @@
 
     KVSTORE_SIDECAR=127.0.0.1:50551   (or unix:/run/kvstore.sock)  -> SidecarConnector to that sidecar
     unset                                                          -> StoreConnector over an in-process store
+    KVSTORE_LOAD_TIMEOUT_S=30 (or off)                             -> how long a load may take, either way
 
 An explicit ``sidecar`` argument (a ``--sidecar ADDRESS`` flag) wins over the variable. Without a
 sidecar, ``store`` is used when given; otherwise a store is opened from ``StoreConfig.from_env``
@@ -13,12 +14,15 @@ from __future__ import annotations
 import os
 from typing import Mapping
 
+from connectors._pages import DEFAULT_LOAD_TIMEOUT_S
 from connectors.base import KVConnector
 from connectors.store_connector import StoreConnector
 from kvstore.config import ENV_PREFIX
+from kvstore.errors import InvalidRequest
 from kvstore.keys import Namespace
 
 SIDECAR_ENV = ENV_PREFIX + "SIDECAR"
+LOAD_TIMEOUT_ENV = ENV_PREFIX + "LOAD_TIMEOUT_S"
 
 
 def sidecar_address(sidecar: str | None = None, environ: Mapping[str, str] | None = None) -> str | None:
@@ -27,13 +31,30 @@ def sidecar_address(sidecar: str | None = None, environ: Mapping[str, str] | Non
     return sidecar or env.get(SIDECAR_ENV) or None
 
 
+def load_timeout_from(environ: Mapping[str, str] | None = None) -> float | None:
+    """``$KVSTORE_LOAD_TIMEOUT_S``: seconds, or ``off`` (None: no deadline); the default when unset."""
+    value = (os.environ if environ is None else environ).get(LOAD_TIMEOUT_ENV, "").strip()
+    if not value:
+        return DEFAULT_LOAD_TIMEOUT_S
+    if value.lower() == "off":
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise InvalidRequest(f"{LOAD_TIMEOUT_ENV}={value!r}: give positive seconds (30, 2.5) or 'off' for no deadline")
+    return seconds
+
+
 def connector_from_config(namespace: Namespace, *, sidecar: str | None = None, store=None,
                           environ: Mapping[str, str] | None = None, **options) -> KVConnector:
     """A ``SidecarConnector`` when a sidecar address is configured, else a ``StoreConnector``.
 
-    ``options`` go to the connector (``lease_ttl_s``, ``read_only``; for a sidecar also ``timeout_s``
-    and ``limits``)."""
+    ``options`` go to the connector (``lease_ttl_s``, ``read_only``, ``load_timeout_s``; for a
+    sidecar also ``timeout_s`` and ``limits``)."""
     address = sidecar_address(sidecar, environ)
+    options.setdefault("load_timeout_s", load_timeout_from(environ))
     if address:
         # grpc loads only for a sidecar
         from connectors.sidecar_connector import SidecarConnector

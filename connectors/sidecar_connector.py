@@ -26,8 +26,8 @@ How each side maps onto the sidecar's calls (``KVStoreClient``), fast path chose
 - ``report_prefill``: one ``ReportPrefill`` on a background thread, for the sidecar's metrics.
 
 A sidecar that is down, restarting or refusing never crashes the engine: ``lookup`` returns a
-0-block hit, a load fails with ``LoadFailed`` (the engine recomputes), a save is logged and
-dropped. The namespace is registered lazily and again after ``NOT_FOUND`` (a restarted sidecar):
+0-block hit, a load fails with ``LoadFailed`` (the engine recomputes; so does a load still not
+done after ``load_timeout_s``), a save is logged and dropped. The namespace is registered lazily and again after ``NOT_FOUND`` (a restarted sidecar):
 ``connectors.sidecar_session``.
 """
 
@@ -42,7 +42,8 @@ from typing import Sequence
 import grpc
 import numpy as np
 
-from connectors._pages import BackgroundLoad, SaveWriter, gather_blocks, load_targets, scatter_layer
+from connectors._pages import (DEFAULT_LOAD_TIMEOUT_S, BackgroundLoad, PageFence, SaveWriter, check_load_timeout,
+                              gather_blocks, load_targets, scatter_layer)
 from connectors.base import ConnectorHit, KVConnector, LoadFailed, LoadHandle, PageBytes
 from connectors.sidecar_session import SidecarSession, describe
 from connectors.store_connector import DEFAULT_LEASE_TTL_S
@@ -58,9 +59,12 @@ DEFAULT_TIMEOUT_S = 30.0
 class SidecarConnector(KVConnector):
     def __init__(self, sidecar: str | KVStoreClient, namespace: Namespace, lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
                  read_only: bool = False, timeout_s: float | None = DEFAULT_TIMEOUT_S,
-                 limits: ServiceLimits = ServiceLimits()):
+                 limits: ServiceLimits = ServiceLimits(), load_timeout_s: float | None = DEFAULT_LOAD_TIMEOUT_S):
         """``sidecar``: ``HOST:PORT``, ``unix:PATH`` or a client (then the caller closes it).
-        ``limits`` must match the sidecar's (transfer batch size, chunk and message sizes)."""
+        ``limits`` must match the sidecar's (transfer batch size, chunk and message sizes).
+        ``timeout_s`` bounds each call to the sidecar; ``load_timeout_s`` a whole load, after
+        which the engine gives up on it and recomputes (None: no bound)."""
+        self.load_timeout_s = check_load_timeout(load_timeout_s)
         self._owns_client = not isinstance(sidecar, KVStoreClient)
         self.client = KVStoreClient(sidecar, timeout_s=timeout_s, limits=limits) if self._owns_client else sidecar
         self.target = sidecar if self._owns_client else None
@@ -105,30 +109,29 @@ class SidecarConnector(KVConnector):
         hashes, pages = load_targets(hit, block_hashes, pages)
         with self._lock:
             lease_id = self._leases.pop(hit.request_id, None)
-        loaded = threading.Event()
 
-        def fetch_and_copy(layer_done) -> None:
+        def fetch_and_copy(layer_done, fence) -> None:
             grant = self.client.get_slots(self.ns_id, hashes, self.lease_ttl_s)  # pins the whole hit
             kept = 0  # the slots' copies the load keeps (for the sidecar's metrics): none if it fails
             try:
                 in_memory = self.client.slot_views(grant)[: len(hashes)]  # same host: mapped shared memory
-                self._scatter(pool, pages, in_memory)
-                done = len(in_memory) or self._stream_into(pool, pages, grant)  # another host: the data plane
-                self._fetch_into(pool, hashes[done:], pages[done:])
+                self._scatter(pool, pages, in_memory, fence)
+                done = len(in_memory) or self._stream_into(pool, pages, grant, fence)  # another host: the data plane
+                self._fetch_into(pool, hashes[done:], pages[done:], fence)
                 kept = done
             finally:
                 intact = self.client.release_grant(grant, kept)
             if not intact:  # the lease ran out while we copied: a slot may have been reused meanwhile
                 raise LoadFailed(f"the sidecar's lease on {len(hashes)} blocks expired during the copy")
             layer_done(self.spec.num_layers)
-            loaded.set()
 
         def finish() -> None:  # the lookup's lease: the slots' own lease pinned the copy
             self._end_lease(lease_id)
 
-        return BackgroundLoad(hit.request_id, len(hashes), self.spec.num_layers, fetch_and_copy, finish, logger=log)
+        return BackgroundLoad(hit.request_id, len(hashes), self.spec.num_layers, fetch_and_copy, finish, logger=log,
+                              deadline_s=self.load_timeout_s)
 
-    def _stream_into(self, pool: PageBytes, pages: list[int], grant) -> int:
+    def _stream_into(self, pool: PageBytes, pages: list[int], grant, fence: PageFence) -> int:
         """The grant's slots through the sidecar's data plane, ``max_transfer_blocks`` at a time;
         returns how many leading blocks landed in their pages (0 without a data plane)."""
         count = min(len(grant.slots), len(pages))
@@ -137,10 +140,10 @@ class SidecarConnector(KVConnector):
             dsts = buffers[: min(self._batch, count - start)]
             if self.client.stream_slots(grant, dsts, start) != len(dsts):
                 return start
-            self._scatter(pool, pages[start : start + len(dsts)], dsts)
+            self._scatter(pool, pages[start : start + len(dsts)], dsts, fence)
         return count
 
-    def _fetch_into(self, pool: PageBytes, hashes: list[bytes], pages: list[int]) -> None:
+    def _fetch_into(self, pool: PageBytes, hashes: list[bytes], pages: list[int], fence: PageFence) -> None:
         """Whole blocks through Get (on disk, or a sidecar whose memory cannot be mapped here), in
         batches of at most ``max_transfer_blocks`` through one reused set of host buffers."""
         buffers = [np.empty(self.spec.block_bytes, np.uint8) for _ in range(min(self._batch, len(hashes)))]
@@ -149,12 +152,14 @@ class SidecarConnector(KVConnector):
             result = self.client.load(self.ns_id, batch, dsts)
             if result.loaded_blocks < len(batch):
                 raise LoadFailed(f"block {batch[result.loaded_blocks].hex()} could not be loaded from the sidecar")
-            self._scatter(pool, pages[start : start + self._batch], dsts)
+            self._scatter(pool, pages[start : start + self._batch], dsts, fence)
 
-    def _scatter(self, pool: PageBytes, pages: Sequence[int], payloads: Sequence[np.ndarray]) -> None:
-        for layer in range(self.spec.num_layers):
-            for page, payload in zip(pages, payloads):
-                scatter_layer(self.spec, pool, layer, page, payload)
+    def _scatter(self, pool: PageBytes, pages: Sequence[int], payloads: Sequence[np.ndarray], fence: PageFence) -> None:
+        """Payloads already in memory (the load's buffers, or pinned shared memory) into their pages."""
+        with fence:
+            for layer in range(self.spec.num_layers):
+                for page, payload in zip(pages, payloads):
+                    scatter_layer(self.spec, pool, layer, page, payload)
 
     def report_prefill(self, request_id: str, saved_tokens: int, computed_tokens: int) -> None:
         try:

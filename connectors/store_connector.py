@@ -8,7 +8,12 @@ writer puts them into the store: nothing of a save runs on the engine's critical
 that copy.
 
 Device pages are read and written through ``PageBytes.layer_page_bytes`` (CPU tensors here; a
-CUDA pool would stage through pinned host memory: untested without a GPU).
+CUDA pool stages through pinned host memory: untested on a GPU in this form). Only memory
+copies write the engine's pages: out of the host tier's shared memory (zero-copy views the
+lookup's lease pins, ``TieredStore.leased_views``), or out of the load's own buffers for disk
+blocks. So a load whose read hangs (a stuck disk, the store's lock held) is abandoned after
+``load_timeout_s`` and the engine recomputes without waiting for it
+(``connectors._pages.BackgroundLoad``).
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from connectors._pages import BackgroundLoad, SaveWriter, gather_blocks, host_view, load_targets, scatter_layer
+from connectors._pages import (DEFAULT_LOAD_TIMEOUT_S, BackgroundLoad, SaveWriter, check_load_timeout, gather_blocks,
+                              load_targets, scatter_layer)
 from connectors.base import ConnectorHit, KVConnector, LoadFailed, LoadHandle, PageBytes
 from kvstore.errors import UnknownLease
 from kvstore.keys import Namespace
@@ -32,8 +38,11 @@ DEFAULT_LEASE_TTL_S = 60.0
 
 class StoreConnector(KVConnector):
     def __init__(self, store: TieredStore, namespace: Namespace, lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
-                 read_only: bool = False):
+                 read_only: bool = False, load_timeout_s: float | None = DEFAULT_LOAD_TIMEOUT_S):
+        """``load_timeout_s``: how long the engine waits for a load before it gives up on it and
+        recomputes (``BackgroundLoad``); None waits forever."""
         self.store = store
+        self.load_timeout_s = check_load_timeout(load_timeout_s)
         self.read_only = read_only  # load hits but never save or demote (consumer-only engines, A/B runs)
         self.ns_id = store.register_namespace(namespace)
         self.spec = store.spec(self.ns_id)
@@ -62,35 +71,31 @@ class StoreConnector(KVConnector):
         with self._lock:
             lease_id = self._leases.pop(hit.request_id, None)
 
-        top_tier = self.store.tiers[0].name
-        below_top = [i for i, tier in enumerate(hit.tiers[: len(hashes)]) if tier != top_tier]
-
-        def copy_layer_major(layer_done) -> None:  # layer 0 of every block, then layer 1, ...
-            # Blocks below the top tier (disk) are read whole first: one large verified read per
-            # block instead of a small read per layer (which is latency-bound on a disk).
-            whole = {i: self._read_whole(hashes[i]) for i in below_top}
-            staging = None  # device pools: [blocks, layer_bytes] pinned host bytes, one row per block
+        def copy_layer_major(layer_done, fence) -> None:  # layer 0 of every block, then layer 1, ...
+            # Blocks the lease pins in the host tier are copied straight out of its shared memory,
+            # a layer at a time. The rest (disk) are read whole into the load's own buffers first:
+            # one large verified read per block instead of a small, latency-bound read per layer.
+            views = self.store.leased_views(self.ns_id, hashes, lease_id) if lease_id is not None else []
+            sources = [view for _, view in views] + [self._read_whole(h) for h in hashes[len(views):]]
+            staging = _DeviceStaging.for_pool(pool, pages, self.spec.layer_bytes)
             for layer in range(self.spec.num_layers):
-                for i, (block_hash, page) in enumerate(zip(hashes, pages)):
-                    if i in whole:
-                        scatter_layer(self.spec, pool, layer, page, whole[i])
-                        continue
-                    target = pool.layer_page_bytes(layer, page)  # [layer_bytes] uint8
-                    if target.device.type == "cpu":
-                        loaded = self.store.load_layer(self.ns_id, block_hash, layer, host_view(target))
-                    else:  # a device pool (tested on an H100): stage in pinned memory, copy without blocking
+                with fence:  # memory copies only: a read that hangs never holds the fence
+                    for i, (page, source) in enumerate(zip(pages, sources)):
                         if staging is None:
-                            staging = torch.empty((len(hashes), target.numel()), dtype=torch.uint8).pin_memory()
-                        loaded = self.store.load_layer(self.ns_id, block_hash, layer, staging[i].numpy())
-                        target.copy_(staging[i], non_blocking=True)
-                    if loaded is None:
-                        raise LoadFailed(f"block {block_hash.hex()} layer {layer} could not be loaded")
-                if staging is not None:
-                    torch.cuda.synchronize()  # the layer's copies have landed before the engine reads it
+                            scatter_layer(self.spec, pool, layer, page, source)
+                        else:
+                            staging.copy(pool, layer, page, i, self.spec.layer_range(layer), source)
+                    if staging is not None:
+                        staging.synchronize()  # the layer's copies have landed before the engine reads it
+                if views and not self.store.lease_alive(lease_id):  # a slot may have been reused mid-copy
+                    raise LoadFailed(f"the lease on {len(hashes)} blocks ended during the copy")
                 layer_done(layer + 1)
+            for tier in {name for name, _ in views}:
+                self.store.record_access(self.ns_id, [h for h, (name, _) in zip(hashes, views) if name == tier], tier)
 
         return BackgroundLoad(hit.request_id, len(hashes), self.spec.num_layers, copy_layer_major,
-                              lambda: self._end_lease(hit.request_id, lease_id), logger=log)
+                              lambda: self._end_lease(hit.request_id, lease_id), logger=log,
+                              deadline_s=self.load_timeout_s)
 
     def _read_whole(self, block_hash: bytes) -> np.ndarray:
         """One block's verified payload [block_bytes] uint8, read in one piece."""
@@ -129,3 +134,27 @@ class StoreConnector(KVConnector):
             self.store.release(lease_id)
         except UnknownLease:
             pass  # expired meanwhile: nothing left to end
+
+
+class _DeviceStaging:
+    """Pinned host rows [blocks, layer_bytes], one per block, through which a layer is copied to
+    device pages without blocking (untested on a GPU in this form)."""
+
+    def __init__(self, blocks: int, layer_bytes: int):
+        self.rows = torch.empty((blocks, layer_bytes), dtype=torch.uint8).pin_memory()
+
+    @classmethod
+    def for_pool(cls, pool: PageBytes, pages: Sequence[int], layer_bytes: int) -> "_DeviceStaging | None":
+        """Staging for a device pool; None for a CPU pool (copied straight into)."""
+        if not pages or pool.layer_page_bytes(0, pages[0]).device.type == "cpu":
+            return None
+        return cls(len(pages), layer_bytes)
+
+    def copy(self, pool: PageBytes, layer: int, page: int, row: int, layer_range: tuple[int, int],
+             source: np.ndarray) -> None:
+        offset, size = layer_range
+        self.rows[row].numpy()[:] = source[offset : offset + size]
+        pool.layer_page_bytes(layer, page).copy_(self.rows[row], non_blocking=True)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()

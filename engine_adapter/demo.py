@@ -35,6 +35,7 @@ from typing import Callable
 import torch
 
 from connectors.base import KVConnector
+from connectors.factory import load_timeout_from
 from connectors.store_connector import StoreConnector
 from engine_adapter.config import ModelConfig
 from engine_adapter.engine import Engine
@@ -113,7 +114,7 @@ class _Demo:
 
             from connectors.sidecar_connector import SidecarConnector
 
-            connector = SidecarConnector(self.cfg.sidecar, self.namespace)
+            connector = SidecarConnector(self.cfg.sidecar, self.namespace, load_timeout_s=load_timeout_from())
             try:
                 connector.stats()  # the demo reads the sidecar's tier counters after every request
             except grpc.RpcError as exc:
@@ -121,7 +122,7 @@ class _Demo:
                 raise InvalidRequest(f"no kvstore sidecar answers at {self.cfg.sidecar} ({exc.code().name}): "
                                      "start one with `kvstore serve`, or leave out --sidecar for an in-process store") from None
             return connector
-        return StoreConnector(self.store, self.namespace)
+        return StoreConnector(self.store, self.namespace, load_timeout_s=load_timeout_from())
 
     def store_stats(self):
         return self.connector.stats() if self.store is None else self.store.stats()
@@ -225,7 +226,7 @@ class _Demo:
         self.store = self._open_store()
         disk = self.store.tiers[-1]
         disk.drop_page_cache()
-        self.connector = StoreConnector(self.store, self.namespace)
+        self.connector = StoreConnector(self.store, self.namespace, load_timeout_s=load_timeout_from())
 
     def close(self) -> None:
         self.connector.close()

@@ -217,6 +217,38 @@ class TieredStore(PlacementMixin):
                     self._leases.release(lease_id)
                     self._bury_doomed(keys)
 
+    def leased_views(self, ns_id: bytes, block_hashes: Sequence[bytes], lease_id: int) -> list[tuple[str, np.ndarray]]:
+        """Zero-copy views of the leading blocks of ``block_hashes`` that lease ``lease_id`` pins,
+        where the tier holding them lends its memory (the host tier's shared memory): per block
+        (tier name, read-only [block_bytes] uint8 view), stopping at the first block that is not.
+
+        A view holds its block's bytes only while the lease lives. Copy out of it, then check
+        ``lease_alive``: if the lease ended meanwhile (released, or expired past its TTL) the slot
+        may have been reused during the copy, which must then be discarded. Counts nothing: tell
+        the store what was used with ``record_access``."""
+        spec = self.spec(ns_id)
+        check_hashes(block_hashes)
+        views = []
+        with self._lock:
+            pinned = set(self._lease_keys(lease_id))
+            for block_hash in block_hashes:
+                key = ns_id + block_hash
+                bits = self._bits(key)
+                if key not in pinned or not bits:
+                    break
+                t = (bits & -bits).bit_length() - 1  # the fastest tier holding it
+                view = self.tiers[t].view(key)
+                if view is None or view.nbytes != spec.block_bytes:
+                    break
+                views.append((self.tiers[t].name, view))
+        return views
+
+    def lease_alive(self, lease_id: int) -> bool:
+        """Whether ``lease_id`` still pins its blocks (not released, not expired). A lease that
+        ended never comes back, so True after a copy means the blocks were pinned throughout it."""
+        with self._lock:
+            return bool(self._lease_keys(lease_id))
+
     def record_access(self, ns_id: bytes, block_hashes: Sequence[bytes], tier: str) -> int:
         """Tell ``tier``'s policy that these resident blocks were read outside ``load`` (the
         sidecar's shared-memory path hands out slots and the client copies). Counts them as

@@ -5,6 +5,7 @@ Each connector has its own client, as each engine process would: what one saves,
 
 import logging
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -15,6 +16,7 @@ from connectors.base import ConnectorHit, LoadFailed
 from connectors.factory import OwningStoreConnector, connector_from_config
 from connectors.sidecar_connector import SidecarConnector
 from connectors.store_connector import StoreConnector
+from kvstore.errors import InvalidRequest
 from kvstore.keys import namespace_hashes
 from kvstore.service import dataplane
 from kvstore.service.client import KVStoreClient
@@ -195,6 +197,34 @@ def test_a_sidecar_that_dies_after_the_lookup_fails_the_load(make_store, sidecar
     assert connector.lookup("c", hashes).blocks == 0
 
 
+def test_a_load_from_a_hung_sidecar_is_given_up_at_its_deadline_and_never_writes_late(make_store, sidecars,
+                                                                                      connectors, hashes):
+    store = make_store()
+    sidecar = sidecars(store)
+    connector = connectors(sidecar.target, NS, timeout_s=20, load_timeout_s=0.5)
+    connector.save("a", hashes[:3], [0, 1, 2], BytePool(3, seed=9), parent=None)
+    connector.flush()
+    hit = connector.lookup("b", hashes)
+    assert hit.blocks == 3
+    unstick = threading.Event()
+    sidecar.loop.call_soon_threadsafe(unstick.wait, 30)  # the sidecar stops answering
+    target = BytePool(3)
+    started = time.monotonic()
+    handle = connector.start_load(hit, hashes, [0, 1, 2], target)
+    with pytest.raises(LoadFailed, match="deadline"):
+        handle.wait_layer(0)
+    assert 0.5 <= time.monotonic() - started < 10, "the engine waited for the sidecar, not the deadline"
+    assert handle.wait() == 0
+    for layer in target.layers:  # the engine recomputes into the same pages
+        layer.fill_(0xAB)
+    unstick.set()
+    deadline = time.monotonic() + 10
+    while store.stats().leases_active and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert store.stats().leases_active == 0, "the load gives back its slots and lease once the sidecar answers"
+    assert all(bool((layer == 0xAB).all()) for layer in target.layers), "a late load overwrote recomputed pages"
+
+
 def test_a_restarted_sidecar_is_used_again_and_gets_the_namespace_again(make_store, sidecars, connectors, hashes):
     address = f"unix:{tempfile.mkdtemp(prefix='kvs-')}/sidecar.sock"
     first = sidecars(make_store(), address=address)
@@ -279,3 +309,17 @@ def test_a_prefill_report_after_close_is_dropped_not_raised(make_store, sidecars
     with caplog.at_level(logging.DEBUG, logger="connectors.sidecar_connector"):
         connector.report_prefill("late", 64, 0)  # an engine finishing a request during shutdown
     assert "prefill report after close dropped" in caplog.text
+
+
+@pytest.mark.parametrize("value, expected", [("", 30.0), ("2.5", 2.5), ("off", None), (" OFF ", None)])
+def test_the_load_timeout_comes_from_the_environment(make_store, value, expected):
+    store = make_store()
+    connector = connector_from_config(NS, store=store, environ={"KVSTORE_LOAD_TIMEOUT_S": value})
+    assert connector.load_timeout_s == expected
+    connector.close()
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "soon", "nan"])
+def test_a_bad_load_timeout_in_the_environment_says_what_to_give(value):
+    with pytest.raises(InvalidRequest, match="KVSTORE_LOAD_TIMEOUT_S.*positive seconds .* or 'off'"):
+        connector_from_config(NS, store=None, environ={"KVSTORE_LOAD_TIMEOUT_S": value})

@@ -1,6 +1,8 @@
 """StoreConnector over a real TieredStore (host + disk in a temp dir) and a byte page pool."""
 
 import os
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -135,4 +137,124 @@ def test_a_read_only_connector_loads_but_never_saves(tmp_path, hashes):
     assert hit.blocks == 2 and reader.start_load(hit, hashes, [0, 1], BytePool(2)).wait() == 2
     for c in (writer, reader):
         c.close()
+    store.close()
+
+
+def stall_reads(tier) -> threading.Event:
+    """Make ``tier``'s reads hang until the returned event is set, as a disk that stops answering."""
+    unstick, read = threading.Event(), tier.read
+
+    def stalled(*args, **kwargs):
+        unstick.wait(30)
+        return read(*args, **kwargs)
+
+    tier.read = stalled
+    return unstick
+
+
+def until(condition, timeout_s: float = 10.0) -> bool:
+    end = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+@pytest.mark.parametrize("stuck", ["disk read", "store lock"])
+def test_a_load_stuck_in_the_store_is_given_up_at_its_deadline_and_never_writes_late(tmp_path, hashes, stuck):
+    """A disk read that hangs, or the store's lock held by a thread stuck in I/O: the engine's
+    wait ends at ``load_timeout_s`` with ``LoadFailed``, and once the store answers again the
+    load writes nothing into the pages the engine has meanwhile recomputed."""
+    store = make_store(tmp_path)
+    writer = StoreConnector(store, NS)
+    writer.save("a", hashes, range(6), BytePool(6, seed=8), parent=None)
+    writer.close()
+    if stuck == "disk read":  # the blocks are on disk only, as after a restart
+        store.close()
+        store = make_store(tmp_path)
+    connector = StoreConnector(store, NS, load_timeout_s=0.3)
+    hit = connector.lookup("b", hashes)
+    assert hit.blocks == 6 and set(hit.tiers) == {"disk" if stuck == "disk read" else "host"}
+    if stuck == "disk read":
+        unstick = stall_reads(store.tiers[1])
+    else:
+        unstick, held = threading.Event(), threading.Event()
+
+        def hold_the_lock():  # as a thread stuck in disk I/O under the store's lock
+            with store._lock:
+                held.set()
+                unstick.wait(30)
+
+        threading.Thread(target=hold_the_lock, daemon=True).start()
+        assert held.wait(5)
+    target = BytePool(6)
+    started = time.monotonic()
+    handle = connector.start_load(hit, hashes, range(6), target)
+    with pytest.raises(LoadFailed, match="deadline"):
+        handle.wait_layer(0)
+    assert 0.3 <= time.monotonic() - started < 5
+    assert handle.wait() == 0
+    for layer in target.layers:  # the engine recomputes into the same pages
+        layer.fill_(0xAB)
+    unstick.set()
+    assert until(lambda: store.stats().leases_active == 0), "the load ends its lease once unstuck"
+    assert all(bool((layer == 0xAB).all()) for layer in target.layers), "a late load overwrote recomputed pages"
+    again = connector.lookup("c", hashes)
+    assert connector.start_load(again, hashes, range(6), BytePool(6)).wait() == 6, "the store serves again"
+    connector.close()
+    store.close()
+
+
+def test_load_timeout_must_be_positive_or_none(tmp_path):
+    store = make_store(tmp_path)
+    with pytest.raises(ValueError, match="load_timeout_s"):
+        StoreConnector(store, NS, load_timeout_s=0)
+    assert StoreConnector(store, NS, load_timeout_s=None).load_timeout_s is None
+    store.close()
+
+
+def test_a_lease_that_ends_mid_copy_fails_the_load_from_that_layer_on(tmp_path, hashes):
+    """Host blocks are copied straight out of shared memory the lease pins; if the lease ends
+    while a layer is being copied (past its TTL here) a slot may have been reused under the copy,
+    so that layer and the rest fail, while the layers copied under a live lease stay good."""
+    store = make_store(tmp_path)
+    source = BytePool(6, seed=10)
+    writer = StoreConnector(store, NS)
+    writer.save("a", hashes, range(6), source, parent=None)
+    writer.close()
+
+    class ExpiringPool(BytePool):
+        """Copying layer 1 outlasts the lease, and another lookup then expires it."""
+
+        def layer_page_bytes(self, layer, page):
+            if layer == 1 and page == 0:
+                time.sleep(0.4)
+                store.lookup(connector.ns_id, hashes[:1])
+            return super().layer_page_bytes(layer, page)
+
+    connector = StoreConnector(store, NS, lease_ttl_s=0.2)
+    hit = connector.lookup("b", hashes)
+    assert set(hit.tiers) == {"host"}
+    target = ExpiringPool(6)
+    handle = connector.start_load(hit, hashes, range(6), target)
+    handle.wait_layer(0)
+    assert all(torch.equal(target.layers[0][p], source.layers[0][p]) for p in range(6))
+    with pytest.raises(LoadFailed, match="lease on 6 blocks ended during the copy"):
+        handle.wait_layer(1)
+    assert handle.wait() == 0
+    connector.close()
+    store.close()
+
+
+def test_host_hits_count_as_loads_from_the_host_tier(tmp_path, hashes):
+    store = make_store(tmp_path)
+    connector = StoreConnector(store, NS)
+    connector.save("a", hashes, range(6), BytePool(6, seed=11), parent=None)
+    connector.flush()
+    before = store.stats().tier("host").loaded_blocks
+    hit = connector.lookup("b", hashes[:4])
+    assert connector.start_load(hit, hashes, range(4), BytePool(6)).wait() == 4
+    assert store.stats().tier("host").loaded_blocks - before == 4
+    connector.close()
     store.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -34,8 +35,8 @@ def open_store(tmp_path, host: bool = True) -> TieredStore:
     return TieredStore(tiers + [DiskTier(str(tmp_path / "disk"), 64 << 20)], background_writes=False)
 
 
-def engine_over(model, store):
-    connector = StoreConnector(store, namespace_for(model.config, "deepseek", P))
+def engine_over(model, store, **options):
+    connector = StoreConnector(store, namespace_for(model.config, "deepseek", P), **options)
     recorder = Recorder(model)
     return Engine(recorder, PagePool(model.config, 32, page_size=P), connector=connector), recorder, connector
 
@@ -89,6 +90,35 @@ def test_a_corrupt_block_on_disk_is_recomputed_not_reused(v3, tmp_path):
     assert out.stats.computed_prompt_tokens > 5, "the corrupt block and what follows were recomputed"
     assert_matches_cold(model, recorder, prompt, out.output_ids, computed_from=len(prompt) - out.stats.computed_prompt_tokens)
     assert disk.stats().checksum_failures == 1
+    store.close()
+
+
+def test_a_load_hung_on_disk_is_recomputed_at_its_deadline_not_waited_for(v3, tmp_path):
+    """The disk stops answering mid-way through a hit: the engine gives up after ``load_timeout_s``,
+    recomputes the whole prompt into the same pages and gets the cold outputs; the stuck read,
+    when it returns at last, changes nothing."""
+    model = v3.ours
+    prompt = prompt_ids(45, seed=33)
+    store = open_store(tmp_path, host=False)
+    producer, _, connector = engine_over(model, store)
+    producer.run([Request(prompt, NEW)])
+    connector.flush()
+    disk, unstick, read = store.tiers[0], threading.Event(), store.tiers[0].read
+    disk.read = lambda *args, **kwargs: unstick.wait(30) and read(*args, **kwargs)
+    consumer, recorder, _ = engine_over(model, store, load_timeout_s=0.5)
+    started = time.monotonic()
+    [out] = consumer.run([Request(prompt, NEW)])
+    assert time.monotonic() - started < 20, "the engine waited for the hung load"
+    assert (out.stats.load_failures, out.stats.connector_hit_tokens, out.stats.computed_prompt_tokens) == (1, 0, 45)
+    assert_matches_cold(model, recorder, prompt, out.output_ids, computed_from=0)
+    unstick.set()
+    deadline = time.monotonic() + 10
+    while store.stats().leases_active and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert store.stats().leases_active == 0
+    consumer.check_integrity()
+    [again] = consumer.run([Request(prompt, NEW)])  # the device pages it recomputed still serve
+    assert again.stats.device_hit_tokens == 40 and again.output_ids == out.output_ids
     store.close()
 
 

@@ -7,6 +7,7 @@ models and formats apart (including deleting a namespace while one of its blocks
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -43,6 +44,38 @@ def test_a_lease_pins_the_hit_until_load_ends_it(make_store, namespace, spec):
     put_chain(store, ns_id, spec, namespace_hashes(namespace, tokens(200, 4)))
     assert host_resident(store, ns_id, a) == [False, False]  # unpinned: evictable again
     store.check_integrity()
+
+
+def test_leased_views_lend_the_host_tiers_leading_run_and_only_under_the_lease(make_store, namespace, spec, chain):
+    store = make_store(**SLOTS4, background_writes=False, promote_on_hit=False)
+    ns_id = store.register_namespace(namespace)
+    payloads, _ = put_chain(store, ns_id, spec, chain[:6])  # the host tier keeps 4 of 6, the disk all
+    hit = store.lookup(ns_id, chain[:6], lease_ttl_s=60)
+    in_host = hit.tiers.index("disk")  # the leading host run ends at the first disk-only block
+    views = store.leased_views(ns_id, chain[:6], hit.lease_id)
+    assert [name for name, _ in views] == ["host"] * in_host and in_host > 0
+    for (_, view), payload in zip(views, payloads):
+        np.testing.assert_array_equal(view, payload)
+        assert not view.flags.writeable
+    assert store.leased_views(ns_id, chain[1:6], hit.lease_id)[0][1] is not None  # any leased block
+    other = namespace_hashes(namespace, tokens(300, 2))
+    put_chain(store, ns_id, spec, other)
+    assert store.leased_views(ns_id, other, hit.lease_id) == [], "blocks the lease does not pin are not lent"
+    assert store.lease_alive(hit.lease_id)
+    store.release(hit.lease_id)
+    assert not store.lease_alive(hit.lease_id)
+    assert store.leased_views(ns_id, chain[:6], hit.lease_id) == []
+
+
+def test_a_lease_past_its_ttl_is_dead_once_the_store_expires_it(make_store, namespace, spec, chain):
+    store = make_store(background_writes=False)
+    ns_id = store.register_namespace(namespace)
+    put_chain(store, ns_id, spec, chain[:2])
+    hit = store.lookup(ns_id, chain[:2], lease_ttl_s=0.05)
+    assert store.lease_alive(hit.lease_id)
+    time.sleep(0.1)
+    store.lookup(ns_id, chain[:1])  # any lookup ends leases past their TTL
+    assert not store.lease_alive(hit.lease_id)
 
 
 def test_release_ends_a_lease_once(make_store, namespace, spec, chain):

@@ -1,0 +1,141 @@
+"""BackgroundLoad's deadline and PageFence: an engine never waits on a hung load, and a load it
+gave up on never writes into its pages afterwards."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from connectors._pages import BackgroundLoad, LoadAbandoned, PageFence
+from connectors.base import LoadFailed
+
+LAYERS = 3
+
+
+class Pages:
+    """Records each write a load makes, as (layer, time it ended)."""
+
+    def __init__(self):
+        self.writes: list[tuple[int, float]] = []
+
+    def write(self, fence: PageFence, layer: int, hold_s: float = 0.0) -> None:
+        with fence:
+            time.sleep(hold_s)
+            self.writes.append((layer, time.monotonic()))
+
+
+def finished(condition, timeout_s: float = 10.0) -> bool:
+    end = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_a_load_in_time_signals_each_layer_and_reports_every_block():
+    pages, finishes = Pages(), []
+
+    def body(layer_done, fence):
+        for layer in range(LAYERS):
+            pages.write(fence, layer)
+            layer_done(layer + 1)
+
+    handle = BackgroundLoad("r", 4, LAYERS, body, lambda: finishes.append(1), deadline_s=10)
+    for layer in range(LAYERS):
+        handle.wait_layer(layer)
+    assert handle.wait() == 4 and finishes == [1] and [w[0] for w in pages.writes] == [0, 1, 2]
+
+
+def test_a_hung_load_is_abandoned_at_its_deadline_and_writes_nothing_after():
+    pages, finishes, unstick = Pages(), [], threading.Event()
+
+    def body(layer_done, fence):
+        pages.write(fence, 0)
+        layer_done(1)
+        unstick.wait(30)  # a read that hangs
+        pages.write(fence, 1)  # the engine has given up: must not land
+        layer_done(2)
+
+    started = time.monotonic()
+    handle = BackgroundLoad("r", 4, LAYERS, body, lambda: finishes.append(1), deadline_s=0.3)
+    handle.wait_layer(0)  # in place before the hang
+    with pytest.raises(LoadFailed, match=r"0\.3 s deadline \(1 of 3 layers"):
+        handle.wait_layer(1)
+    waited = time.monotonic() - started
+    assert 0.3 <= waited < 5, waited
+    assert handle.wait() == 0, "an abandoned load reports no block"
+    handle.wait_layer(0)  # what was in place before stays valid
+    unstick.set()
+    assert finished(lambda: finishes == [1]), "the load ends (and ends its lease) once it is unstuck"
+    assert [w[0] for w in pages.writes] == [0], "nothing was written after the engine gave up"
+
+
+def test_abandoning_waits_for_the_write_in_progress():
+    """The write that holds the fence when the deadline passes finishes before the engine goes on."""
+    pages, in_write, unstick = Pages(), threading.Event(), threading.Event()
+
+    def body(layer_done, fence):
+        with fence:
+            in_write.set()
+            time.sleep(0.5)
+            pages.writes.append((0, time.monotonic()))
+        layer_done(1)
+        unstick.wait(30)  # then a read hangs
+        pages.write(fence, 1)
+
+    handle = BackgroundLoad("r", 1, LAYERS, body, deadline_s=0.1)
+    assert in_write.wait(5)
+    with pytest.raises(LoadFailed):
+        handle.wait_layer(LAYERS - 1)
+    returned = time.monotonic()
+    assert pages.writes and pages.writes[0][1] <= returned, "the engine went on while a write was landing"
+    unstick.set()
+    assert finished(lambda: not handle._thread.is_alive())
+    assert [w[0] for w in pages.writes] == [0]
+
+
+def test_a_load_whose_layers_are_all_in_place_counts_even_if_its_lease_end_hangs():
+    unstick = threading.Event()
+
+    def body(layer_done, fence):
+        for layer in range(LAYERS):
+            with fence:
+                pass
+            layer_done(layer + 1)
+
+    handle = BackgroundLoad("r", 2, LAYERS, body, lambda: unstick.wait(30), deadline_s=0.2)
+    handle.wait_layer(LAYERS - 1)
+    assert handle.wait() == 2, "every layer landed: the data is good"
+    unstick.set()
+
+
+def test_a_failing_body_fails_the_layers_not_yet_done():
+    def body(layer_done, fence):
+        layer_done(1)
+        raise OSError("disk gone")
+
+    handle = BackgroundLoad("r", 2, LAYERS, body, deadline_s=None)
+    handle.wait_layer(0)
+    with pytest.raises(LoadFailed, match="disk gone"):
+        handle.wait_layer(1)
+    assert handle.wait() == 0
+
+
+def test_a_closed_fence_refuses_writes():
+    fence = PageFence()
+    with fence:
+        pass
+    fence.close()
+    with pytest.raises(LoadAbandoned):
+        with fence:
+            pytest.fail("a write ran behind a closed fence")
+    fence.close()  # idempotent
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan")])
+def test_a_deadline_must_be_positive_seconds(bad):
+    with pytest.raises(ValueError, match="load_timeout_s must be positive seconds or None"):
+        BackgroundLoad("r", 1, LAYERS, lambda layer_done, fence: None, deadline_s=bad)
