@@ -27,8 +27,9 @@ DEFAULT_LOAD_TIMEOUT_S = 30.0  # far beyond a healthy load (GB/s), well short of
 
 def check_load_timeout(seconds: float | None) -> float | None:
     """A load deadline as the connectors take it: positive seconds, or None for no deadline."""
-    if seconds is not None and not seconds > 0:
-        raise ValueError(f"load_timeout_s must be positive seconds or None (no deadline), not {seconds!r}")
+    if seconds is not None and not 0 < seconds <= threading.TIMEOUT_MAX:
+        raise ValueError(f"load_timeout_s must be positive seconds up to {threading.TIMEOUT_MAX:.0f}, or None "
+                         f"(no deadline), not {seconds!r}")
     return seconds
 
 
@@ -87,15 +88,20 @@ class PageFence:
 
     Each write runs inside ``with fence:`` and must be a memory copy out of bytes the load already
     holds (its own buffers, or shared memory it has pinned), never a store call or I/O: ``close``
-    waits for the write in progress, so it is bounded only if writes are. After ``close`` every
-    write raises ``LoadAbandoned``, so pages the engine recomputes are never overwritten late.
+    waits for the write in progress, so it is bounded only if writes are; no write starts once
+    ``close`` has been called (a lock alone would let the load's thread take it again first).
+    After ``close`` every write raises ``LoadAbandoned``, so pages the engine recomputes are
+    never overwritten late.
     """
 
     def __init__(self):
         self._lock = threading.Lock()
+        self._closing = False  # set before close takes the lock: no new write starts
         self._closed = False
 
     def __enter__(self) -> None:
+        if self._closing:
+            raise LoadAbandoned("the engine gave up on this load; its pages are no longer ours")
         self._lock.acquire()
         if self._closed:
             self._lock.release()
@@ -105,6 +111,7 @@ class PageFence:
         self._lock.release()
 
     def close(self) -> None:
+        self._closing = True
         with self._lock:
             self._closed = True
 
@@ -146,6 +153,8 @@ class BackgroundLoad(LoadHandle):
 
     def _layer_done(self, layers: int) -> None:
         with self._cond:
+            if self._abandoned:  # what the engine was told at abandonment stands
+                return
             self._done_layers = max(self._done_layers, layers)
             self._cond.notify_all()
 
@@ -181,20 +190,29 @@ class BackgroundLoad(LoadHandle):
             complete = self._failed is None and self._done_layers >= self._num_layers
         return self._blocks if complete else 0
 
+    def cancel(self) -> None:
+        """Give up on the load now, unless it has settled: nothing lands in its pages after this
+        returns (the write in progress, a memory copy, finishes first)."""
+        with self._cond:
+            if self._settled:
+                return
+        self._abandon("the load was cancelled")
+
     def _wait_until(self, ready: Callable[[], bool]) -> bool:
         """Whether ``ready()`` held before the deadline (always, in the end, without one)."""
         with self._cond:
             remaining = None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
             return self._cond.wait_for(ready, timeout=remaining)
 
-    def _abandon(self) -> None:
+    def _abandon(self, why: str | None = None) -> None:
         self._fence.close()  # waits for a write in progress; none lands after this
         with self._cond:
             self._abandoned = True
             if self._failed is None and self._done_layers < self._num_layers:
-                self._failed = (f"the load did not finish within its {self._deadline_s:g} s deadline "
-                                f"({self._done_layers} of {self._num_layers} layers in place)")
-                self._log.warning("load for %s abandoned: %s; the engine recomputes it", self._name, self._failed)
+                why = why or f"the load did not finish within its {self._deadline_s:g} s deadline"
+                self._failed = f"{why} ({self._done_layers} of {self._num_layers} layers in place)"
+                if why.startswith("the load did not finish"):
+                    self._log.warning("load for %s abandoned: %s; the engine recomputes it", self._name, self._failed)
             self._cond.notify_all()
 
 

@@ -63,6 +63,11 @@ class LoadHandle(ABC):
         """Return when the whole load has finished; the number of blocks actually loaded (0 after a
         failure). May be called any number of times, also after ``LoadFailed``."""
 
+    def cancel(self) -> None:
+        """The engine no longer wants the load (it failed, or its request ended): return once
+        nothing more will be written into its pages. By default waits for the load to end."""
+        self.wait()
+
 
 class LoadFailed(RuntimeError):
     """A hit could not be loaded (evicted, corrupt, I/O error): recompute instead of reusing."""

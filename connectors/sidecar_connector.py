@@ -45,7 +45,7 @@ import numpy as np
 from connectors._pages import (DEFAULT_LOAD_TIMEOUT_S, BackgroundLoad, PageFence, SaveWriter, check_load_timeout,
                               gather_blocks, load_targets, scatter_layer)
 from connectors.base import ConnectorHit, KVConnector, LoadFailed, LoadHandle, PageBytes
-from connectors.sidecar_session import SidecarSession, describe
+from connectors.sidecar_session import NOT_ANSWERING, SidecarNotAnswering, SidecarSession, describe
 from connectors.store_connector import DEFAULT_LEASE_TTL_S
 from kvstore.keys import Namespace
 from kvstore.layout import BlockSpec
@@ -54,16 +54,23 @@ from kvstore.service.limits import ServiceLimits
 
 log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 30.0
+DEFAULT_LOOKUP_TIMEOUT_S = 1.0  # a lookup is on the engine's scheduling path; a healthy one takes ms
 
 
 class SidecarConnector(KVConnector):
     def __init__(self, sidecar: str | KVStoreClient, namespace: Namespace, lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
                  read_only: bool = False, timeout_s: float | None = DEFAULT_TIMEOUT_S,
-                 limits: ServiceLimits = ServiceLimits(), load_timeout_s: float | None = DEFAULT_LOAD_TIMEOUT_S):
+                 limits: ServiceLimits = ServiceLimits(), load_timeout_s: float | None = DEFAULT_LOAD_TIMEOUT_S,
+                 lookup_timeout_s: float = DEFAULT_LOOKUP_TIMEOUT_S):
         """``sidecar``: ``HOST:PORT``, ``unix:PATH`` or a client (then the caller closes it).
         ``limits`` must match the sidecar's (transfer batch size, chunk and message sizes).
-        ``timeout_s`` bounds each call to the sidecar; ``load_timeout_s`` a whole load, after
-        which the engine gives up on it and recomputes (None: no bound)."""
+        ``timeout_s`` bounds each call to the sidecar, ``lookup_timeout_s`` a lookup (the engine
+        waits on it), ``load_timeout_s`` a whole load, after which the engine gives up on it and
+        recomputes (None: no bound). A sidecar that stops answering is skipped for a back-off
+        window (``SidecarSession``): lookups are misses at once meanwhile."""
+        if not lookup_timeout_s > 0:
+            raise ValueError(f"lookup_timeout_s must be positive seconds, not {lookup_timeout_s!r}")
+        self.lookup_timeout_s = lookup_timeout_s
         self.load_timeout_s = check_load_timeout(load_timeout_s)
         self._owns_client = not isinstance(sidecar, KVStoreClient)
         self.client = KVStoreClient(sidecar, timeout_s=timeout_s, limits=limits) if self._owns_client else sidecar
@@ -92,7 +99,8 @@ class SidecarConnector(KVConnector):
         self.release(request_id)
         hashes = list(block_hashes[: self.limits.max_lookup_blocks])
         try:
-            result = self.session.call(lambda: self.client.lookup(self.ns_id, hashes, lease_ttl_s=self.lease_ttl_s))
+            result = self.session.call(lambda: self.client.lookup(self.ns_id, hashes, lease_ttl_s=self.lease_ttl_s,
+                                                                  timeout_s=self.lookup_timeout_s))
         except Exception as exc:
             self.session.failed("look up", exc)
             return ConnectorHit(request_id, 0, self.spec.block_size, ())
@@ -207,10 +215,18 @@ class SidecarConnector(KVConnector):
     # ---- internals ---------------------------------------------------------------------
 
     def _put(self, hashes: list[bytes], payloads: list[np.ndarray], parent: bytes | None) -> None:
+        """A save's blocks, batch by batch; a sidecar not answering drops them (logged once per outage)."""
         for start in range(0, len(hashes), self._batch):
             batch = slice(start, start + self._batch)
             batch_parent = parent if start == 0 else hashes[start - 1]
-            self.session.call(partial(self.client.put_shm, self.ns_id, hashes[batch], payloads[batch], parent=batch_parent))
+            try:
+                self.session.call(partial(self.client.put_shm, self.ns_id, hashes[batch], payloads[batch],
+                                          parent=batch_parent))
+            except (grpc.RpcError, SidecarNotAnswering) as exc:
+                if isinstance(exc, grpc.RpcError) and exc.code() not in NOT_ANSWERING:
+                    raise
+                self.session.failed("save", exc)
+                return
 
     def _end_lease(self, lease_id: int | None) -> None:
         if lease_id is None:

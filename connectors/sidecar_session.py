@@ -4,7 +4,10 @@ sidecar's availability logged once per change rather than once per call. Shared 
 
 ``call(fn)`` registers the namespace first if needed and once more after a ``NOT_FOUND`` (a
 restarted sidecar has forgotten it), then runs ``fn`` again. Failures propagate: the connector
-decides that they are misses. Thread-safe (``KVStoreClient`` is; registering twice is harmless).
+decides that they are misses. A sidecar found not answering (``UNAVAILABLE``, or a call past its
+deadline: a hung sidecar) is skipped for a back-off window (``connectors.backoff``): ``call``
+raises ``SidecarNotAnswering`` at once instead of each call waiting out its timeout. Thread-safe
+(``KVStoreClient`` is; registering twice is harmless).
 """
 
 from __future__ import annotations
@@ -15,11 +18,17 @@ from typing import TypeVar
 
 import grpc
 
+from connectors.backoff import Backoff
 from kvstore.keys import Namespace
 from kvstore.service.client import KVStoreClient
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+NOT_ANSWERING = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+class SidecarNotAnswering(RuntimeError):
+    """A call skipped without trying: the sidecar stopped answering and its back-off window is open."""
 
 
 class SidecarSession:
@@ -27,25 +36,32 @@ class SidecarSession:
     does without it, e.g. "LMCache sees misses")."""
 
     def __init__(self, client: KVStoreClient, namespace: Namespace, target: str,
-                 meanwhile: str = "callers see misses"):
+                 meanwhile: str = "callers see misses", backoff: Backoff | None = None):
         self.client = client
         self.namespace = namespace
         self.ns_id = namespace.id  # the sidecar's id of a namespace is its content hash
         self.target = target
         self.meanwhile = meanwhile
+        self.backoff = backoff or Backoff()
         self._registered = False
         self._available = True
 
     def call(self, fn: Callable[[], T]) -> T:
-        self._ensure_registered()
+        if not self.backoff.allow():
+            raise SidecarNotAnswering(f"skipped: the sidecar stopped answering; next try in "
+                                      f"{self.backoff.retry_in_s():.1f} s")
         try:
-            result = fn()
+            result = self._call_registered(fn)
         except grpc.RpcError as exc:
-            if exc.code() != grpc.StatusCode.NOT_FOUND:
-                raise
-            self._registered = False
-            self._ensure_registered()
-            result = fn()
+            if exc.code() in NOT_ANSWERING:
+                self.backoff.not_answering()
+            else:
+                self.backoff.answered()
+            raise
+        except BaseException:
+            self.backoff.answered()  # not a sign of a hung sidecar; a probe must not stay taken
+            raise
+        self.backoff.answered()
         if not self._available:
             log.info("the kvstore sidecar %s answers again", self.target)
             self._available = True
@@ -69,6 +85,17 @@ class SidecarSession:
             self._available = False
         else:
             log.debug("kvstore sidecar %s: cannot %s (%s)", self.target, what, describe(exc))
+
+    def _call_registered(self, fn: Callable[[], T]) -> T:
+        self._ensure_registered()
+        try:
+            return fn()
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.NOT_FOUND:
+                raise
+            self._registered = False
+            self._ensure_registered()
+            return fn()
 
     def _ensure_registered(self) -> None:
         if not self._registered:

@@ -80,13 +80,15 @@ class StoreConnector(KVConnector):
             staging = _DeviceStaging.for_pool(pool, pages, self.spec.layer_bytes)
             for layer in range(self.spec.num_layers):
                 with fence:  # memory copies only: a read that hangs never holds the fence
-                    for i, (page, source) in enumerate(zip(pages, sources)):
-                        if staging is None:
-                            scatter_layer(self.spec, pool, layer, page, source)
-                        else:
-                            staging.copy(pool, layer, page, i, self.spec.layer_range(layer), source)
-                    if staging is not None:
-                        staging.synchronize()  # the layer's copies have landed before the engine reads it
+                    try:
+                        for i, (page, source) in enumerate(zip(pages, sources)):
+                            if staging is None:
+                                scatter_layer(self.spec, pool, layer, page, source)
+                            else:
+                                staging.copy(pool, layer, page, i, self.spec.layer_range(layer), source)
+                    finally:  # the layer's copies have landed before the engine reads it or the fence opens
+                        if staging is not None:
+                            staging.synchronize()
                 if views and not self.store.lease_alive(lease_id):  # a slot may have been reused mid-copy
                     raise LoadFailed(f"the lease on {len(hashes)} blocks ended during the copy")
                 layer_done(layer + 1)
@@ -137,24 +139,29 @@ class StoreConnector(KVConnector):
 
 
 class _DeviceStaging:
-    """Pinned host rows [blocks, layer_bytes], one per block, through which a layer is copied to
-    device pages without blocking (untested on a GPU in this form)."""
+    """Pinned host rows [blocks, layer_bytes], one per block, and a copy stream on the pool's
+    device. A layer's copies are queued on that stream without blocking; ``synchronize`` waits
+    for exactly them (not the engine's kernels, not another device's work). Untested on a GPU in
+    this form: no GPU was lent to the session that wrote it."""
 
-    def __init__(self, blocks: int, layer_bytes: int):
+    def __init__(self, blocks: int, layer_bytes: int, device: torch.device):
         self.rows = torch.empty((blocks, layer_bytes), dtype=torch.uint8).pin_memory()
+        self.stream = torch.cuda.Stream(device=device)
 
     @classmethod
     def for_pool(cls, pool: PageBytes, pages: Sequence[int], layer_bytes: int) -> "_DeviceStaging | None":
         """Staging for a device pool; None for a CPU pool (copied straight into)."""
-        if not pages or pool.layer_page_bytes(0, pages[0]).device.type == "cpu":
+        device = pool.layer_page_bytes(0, pages[0]).device if pages else None
+        if device is None or device.type == "cpu":
             return None
-        return cls(len(pages), layer_bytes)
+        return cls(len(pages), layer_bytes, device)
 
     def copy(self, pool: PageBytes, layer: int, page: int, row: int, layer_range: tuple[int, int],
              source: np.ndarray) -> None:
         offset, size = layer_range
-        self.rows[row].numpy()[:] = source[offset : offset + size]
-        pool.layer_page_bytes(layer, page).copy_(self.rows[row], non_blocking=True)
+        self.rows[row].numpy()[:] = source[offset : offset + size]  # the row's last copy has landed (synchronize)
+        with torch.cuda.stream(self.stream):
+            pool.layer_page_bytes(layer, page).copy_(self.rows[row], non_blocking=True)
 
     def synchronize(self) -> None:
-        torch.cuda.synchronize()
+        self.stream.synchronize()

@@ -104,7 +104,7 @@ class BlockManager:
         """The load failed: forget the loaded blocks (their pages stay the sequence's, to be recomputed)."""
         load = seq.load
         try:
-            load.handle.wait()  # nothing may still be writing into the pages
+            load.handle.cancel()  # nothing may still be writing into the pages
         except LoadFailed:
             pass
         seq.load, seq.cache.before_read = None, None

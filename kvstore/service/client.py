@@ -111,10 +111,12 @@ class KVStoreClient:
         request = pb.RegisterNamespaceRequest(canonical_json=namespace.canonical_json())
         return self._stub.RegisterNamespace(request, timeout=self._timeout).namespace_id
 
-    def lookup(self, ns_id: bytes, block_hashes: Sequence[bytes], lease_ttl_s: float | None = None) -> LookupResult:
-        """Longest contiguous hit; with ``lease_ttl_s``, a lease pins the hit blocks for that long."""
+    def lookup(self, ns_id: bytes, block_hashes: Sequence[bytes], lease_ttl_s: float | None = None,
+               timeout_s: float | None = None) -> LookupResult:
+        """Longest contiguous hit; with ``lease_ttl_s``, a lease pins the hit blocks for that long.
+        ``timeout_s`` bounds this call instead of the client's timeout."""
         request = pb.LookupRequest(namespace_id=ns_id, block_hashes=block_hashes, lease_ttl_s=lease_ttl_s)
-        return wire.lookup_from_proto(self._stub.Lookup(request, timeout=self._timeout))
+        return wire.lookup_from_proto(self._stub.Lookup(request, timeout=timeout_s or self._timeout))
 
     def load(self, ns_id: bytes, block_hashes: Sequence[bytes], dsts: Sequence,
              lease_id: int | None = None) -> LoadResult:

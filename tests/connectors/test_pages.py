@@ -135,7 +135,93 @@ def test_a_closed_fence_refuses_writes():
     fence.close()  # idempotent
 
 
-@pytest.mark.parametrize("bad", [0, -1.0, float("nan")])
-def test_a_deadline_must_be_positive_seconds(bad):
-    with pytest.raises(ValueError, match="load_timeout_s must be positive seconds or None"):
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), 1e10])
+def test_a_deadline_must_be_positive_seconds_a_wait_can_take(bad):
+    with pytest.raises(ValueError, match=r"load_timeout_s must be positive seconds up to \d+, or None"):
         BackgroundLoad("r", 1, LAYERS, lambda layer_done, fence: None, deadline_s=bad)
+
+
+def test_cancel_returns_at_once_and_nothing_lands_after():
+    """What the engine does when it no longer wants a load (abort_load, free): no deadline wait."""
+    pages, finishes, unstick = Pages(), [], threading.Event()
+
+    def body(layer_done, fence):
+        pages.write(fence, 0)
+        layer_done(1)
+        unstick.wait(30)
+        pages.write(fence, 1)
+
+    handle = BackgroundLoad("r", 2, LAYERS, body, lambda: finishes.append(1), deadline_s=30)
+    handle.wait_layer(0)
+    started = time.monotonic()
+    handle.cancel()
+    assert time.monotonic() - started < 1, "cancel waited for the load"
+    assert handle.wait() == 0
+    with pytest.raises(LoadFailed, match=r"cancelled \(1 of 3 layers"):
+        handle.wait_layer(1)
+    unstick.set()
+    assert finished(lambda: finishes == [1])
+    assert [w[0] for w in pages.writes] == [0]
+
+
+def test_a_settled_load_is_not_cancelled():
+    handle = BackgroundLoad("r", 2, LAYERS, lambda layer_done, fence: None, deadline_s=5)
+    assert handle.wait() == 2
+    handle.cancel()
+    assert handle.wait() == 2
+
+
+def test_after_abandonment_the_handle_never_changes_its_answer():
+    """A load whose last layer lands while the deadline passes: what the engine was told stands."""
+    in_write, answers = threading.Event(), []
+
+    def body(layer_done, fence):
+        with fence:
+            in_write.set()
+            time.sleep(0.4)  # the deadline passes during this copy
+        layer_done(LAYERS)
+
+    handle = BackgroundLoad("r", 1, LAYERS, body, deadline_s=0.1)
+    assert in_write.wait(5)
+    for _ in range(2):
+        try:
+            handle.wait_layer(LAYERS - 1)
+            answers.append("ready")
+        except LoadFailed:
+            answers.append("failed")
+        time.sleep(0.2)
+    assert answers[0] == answers[1] and (handle.wait() == 1) == (answers[0] == "ready")
+
+
+def test_once_closing_no_new_write_starts():
+    """A load copying many small pieces cannot keep the fence from closing."""
+    fence, wrote, stop = PageFence(), [], threading.Event()
+
+    def writer():
+        try:
+            while not stop.is_set():
+                with fence:
+                    wrote.append(1)
+        except LoadAbandoned:
+            pass
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    time.sleep(0.05)
+    before = len(wrote)
+    fence.close()
+    count = len(wrote)
+    time.sleep(0.05)
+    stop.set()
+    thread.join(5)
+    assert count - before <= 2, f"{count - before} writes landed while close waited (the one in progress, at most one more)"
+    assert len(wrote) == count, "a write started after close returned"
+
+
+def test_wait_alone_ends_at_the_deadline_for_a_hung_load():
+    unstick = threading.Event()
+    handle = BackgroundLoad("r", 2, LAYERS, lambda layer_done, fence: unstick.wait(30), deadline_s=0.3)
+    started = time.monotonic()
+    assert handle.wait() == 0
+    assert 0.3 <= time.monotonic() - started < 5
+    unstick.set()

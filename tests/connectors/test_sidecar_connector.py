@@ -225,6 +225,36 @@ def test_a_load_from_a_hung_sidecar_is_given_up_at_its_deadline_and_never_writes
     assert all(bool((layer == 0xAB).all()) for layer in target.layers), "a late load overwrote recomputed pages"
 
 
+def test_a_hung_sidecar_costs_one_short_lookup_then_misses_at_once_until_it_answers(make_store, sidecars, connectors,
+                                                                                     hashes, caplog):
+    """Lookups are on the engine's scheduling path: a sidecar that stops answering (its event loop
+    blocked here) must not stall every request for the call timeout. The first lookup ends at
+    ``lookup_timeout_s``; later ones are misses without a call until a probe finds it back."""
+    sidecar = sidecars(make_store())
+    connector = connectors(sidecar.target, NS, timeout_s=20, lookup_timeout_s=0.3)
+    connector.save("a", hashes[:3], [0, 1, 2], BytePool(3, seed=12), parent=None)
+    connector.flush()
+    assert connector.lookup("warm", hashes).blocks == 3
+    unstick = threading.Event()
+    sidecar.loop.call_soon_threadsafe(unstick.wait, 30)
+    started = time.monotonic()
+    assert connector.lookup("r0", hashes).blocks == 0
+    assert 0.3 <= time.monotonic() - started < 5
+    started = time.monotonic()
+    for i in range(20):
+        assert connector.lookup(f"r{i + 1}", hashes).blocks == 0
+    assert time.monotonic() - started < 0.5, "lookups kept waiting on the hung sidecar"
+    with caplog.at_level(logging.ERROR):
+        connector.save("b", hashes[3:5], [0, 1], BytePool(2, seed=13), parent=hashes[2])
+        connector.flush()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], "a skipped save logged an error"
+    unstick.set()
+    deadline = time.monotonic() + 20
+    while connector.lookup("back", hashes).blocks != 3:
+        assert time.monotonic() < deadline, "the sidecar answers again but lookups still miss"
+        time.sleep(0.1)
+
+
 def test_a_restarted_sidecar_is_used_again_and_gets_the_namespace_again(make_store, sidecars, connectors, hashes):
     address = f"unix:{tempfile.mkdtemp(prefix='kvs-')}/sidecar.sock"
     first = sidecars(make_store(), address=address)
