@@ -23,6 +23,7 @@ from kvstore.layout import BlockSpec
 
 log = logging.getLogger("connectors")
 DEFAULT_LOAD_TIMEOUT_S = 30.0  # far beyond a healthy load (GB/s), well short of a hung request
+DEFAULT_LOOKUP_TIMEOUT_S = 1.0  # a lookup is on the engine's scheduling path; a healthy one takes ms
 
 
 def check_load_timeout(seconds: float | None) -> float | None:

@@ -42,7 +42,7 @@ from typing import Sequence
 import grpc
 import numpy as np
 
-from connectors._pages import (DEFAULT_LOAD_TIMEOUT_S, BackgroundLoad, PageFence, SaveWriter, check_load_timeout,
+from connectors._pages import (DEFAULT_LOAD_TIMEOUT_S, DEFAULT_LOOKUP_TIMEOUT_S, BackgroundLoad, PageFence, SaveWriter, check_load_timeout,
                               gather_blocks, load_targets, scatter_layer)
 from connectors.base import ConnectorHit, KVConnector, LoadFailed, LoadHandle, PageBytes
 from connectors.sidecar_session import NOT_ANSWERING, SidecarNotAnswering, SidecarSession, describe
@@ -54,7 +54,6 @@ from kvstore.service.limits import ServiceLimits
 
 log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 30.0
-DEFAULT_LOOKUP_TIMEOUT_S = 1.0  # a lookup is on the engine's scheduling path; a healthy one takes ms
 
 
 class SidecarConnector(KVConnector):

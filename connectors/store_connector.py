@@ -25,7 +25,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from connectors._pages import (DEFAULT_LOAD_TIMEOUT_S, BackgroundLoad, SaveWriter, check_load_timeout, gather_blocks,
+from connectors._pages import (DEFAULT_LOAD_TIMEOUT_S, DEFAULT_LOOKUP_TIMEOUT_S, BackgroundLoad, SaveWriter, check_load_timeout, gather_blocks,
                               load_targets, scatter_layer)
 from connectors.base import ConnectorHit, KVConnector, LoadFailed, LoadHandle, PageBytes
 from kvstore.errors import UnknownLease
@@ -34,15 +34,23 @@ from kvstore.store import TieredStore
 
 log = logging.getLogger(__name__)
 DEFAULT_LEASE_TTL_S = 60.0
+RELEASE_WAIT_S = 0.05  # the engine's thread waits this long for the store's lock to end a lease, then hands it off
 
 
 class StoreConnector(KVConnector):
     def __init__(self, store: TieredStore, namespace: Namespace, lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
-                 read_only: bool = False, load_timeout_s: float | None = DEFAULT_LOAD_TIMEOUT_S):
+                 read_only: bool = False, load_timeout_s: float | None = DEFAULT_LOAD_TIMEOUT_S,
+                 lookup_timeout_s: float = DEFAULT_LOOKUP_TIMEOUT_S):
         """``load_timeout_s``: how long the engine waits for a load before it gives up on it and
-        recomputes (``BackgroundLoad``); None waits forever."""
+        recomputes (``BackgroundLoad``); None waits forever. ``lookup_timeout_s``: how long a
+        lookup waits for the store's lock (held through disk I/O by an eviction, say) before it
+        answers a miss. Ending a lease never waits on the engine's thread: a busy store's lock
+        hands it to a thread of its own."""
+        if not lookup_timeout_s > 0:
+            raise ValueError(f"lookup_timeout_s must be positive seconds, not {lookup_timeout_s!r}")
         self.store = store
         self.load_timeout_s = check_load_timeout(load_timeout_s)
+        self.lookup_timeout_s = lookup_timeout_s
         self.read_only = read_only  # load hits but never save or demote (consumer-only engines, A/B runs)
         self.ns_id = store.register_namespace(namespace)
         self.spec = store.spec(self.ns_id)
@@ -56,7 +64,7 @@ class StoreConnector(KVConnector):
 
     def lookup(self, request_id: str, block_hashes: Sequence[bytes]) -> ConnectorHit:
         self.release(request_id)
-        result = self.store.lookup(self.ns_id, block_hashes, lease_ttl_s=self.lease_ttl_s)
+        result = self.store.lookup(self.ns_id, block_hashes, lease_ttl_s=self.lease_ttl_s, wait_s=self.lookup_timeout_s)
         if result.lease_id is not None:
             with self._lock:
                 self._leases[request_id] = result.lease_id
@@ -133,9 +141,17 @@ class StoreConnector(KVConnector):
         if lease_id is None:
             return
         try:
-            self.store.release(lease_id)
+            if not self.store.try_release(lease_id, RELEASE_WAIT_S):  # the lock is held (disk I/O?)
+                threading.Thread(target=self._end_lease_blocking, args=(lease_id,), name="kv-lease-end",
+                                 daemon=True).start()
         except UnknownLease:
             pass  # expired meanwhile: nothing left to end
+
+    def _end_lease_blocking(self, lease_id: int) -> None:
+        try:
+            self.store.release(lease_id)
+        except UnknownLease:
+            pass
 
 
 class _DeviceStaging:

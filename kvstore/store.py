@@ -88,6 +88,8 @@ class TieredStore(PlacementMixin):
         self._leases = LeaseTable(max_leases, clock)
         self._lock = threading.RLock()
         self._counters: Counter[str] = Counter()
+        self._busy_lock = threading.Lock()  # guards the one counter bumped without ``_lock``
+        self._busy_lookups = 0
         self._writer = BackgroundWriter() if background_writes and len(self.tiers) > 1 else None
         # hashes the next block of a put while this one is written (``checksums_ahead``)
         self._hasher = ThreadPoolExecutor(2, thread_name_prefix="kvstore-put-hash")
@@ -126,30 +128,49 @@ class TieredStore(PlacementMixin):
 
     # ---- lookup ------------------------------------------------------------------------
 
-    def lookup(self, ns_id: bytes, block_hashes: Sequence[bytes], lease_ttl_s: float | None = None) -> LookupResult:
-        """Longest contiguous run of present blocks; changes nothing but the optional lease."""
+    def lookup(self, ns_id: bytes, block_hashes: Sequence[bytes], lease_ttl_s: float | None = None,
+               wait_s: float | None = None) -> LookupResult:
+        """Longest contiguous run of present blocks; changes nothing but the optional lease.
+
+        ``wait_s`` bounds the wait for the store's lock, which a thread may hold through disk I/O
+        (an eviction's removal or demotion): past it the answer is a miss (counted as
+        ``busy_lookups``) instead of a wait on a disk that hangs. None waits as long as it takes."""
         spec = self.spec(ns_id)
         if lease_ttl_s is not None and not 0 < lease_ttl_s <= MAX_LEASE_TTL_S:
             raise InvalidRequest(f"lease_ttl_s must be in (0, {MAX_LEASE_TTL_S:g}] seconds, got {lease_ttl_s}: "
                                  "a lease pins its blocks against eviction until it ends or expires")
-        with self._lock:
-            self._expire_leases()
-            try:
-                top = self._top_tiers(ns_id, block_hashes)
-            except TypeError:  # unhashable element: say what is wrong with the input
-                check_hashes(block_hashes)
-                raise
-            # Every hit matched a stored 16-byte digest exactly, so only the rest needs checking:
-            # an all-hit lookup pays nothing for validation.
-            check_hashes(block_hashes[len(top):])
-            self._counters["lookups"] += 1
-            self._counters["lookup_blocks"] += len(block_hashes)
-            self._counters["hit_blocks"] += len(top)
-            for name in set(top):
-                self._counters[f"hit_blocks:{self._tier_index[name]}"] += top.count(name)
-            lease = None
-            if lease_ttl_s is not None and top:
-                lease = self._leases.grant([ns_id + h for h in block_hashes[: len(top)]], lease_ttl_s)
+        if not self._acquire(wait_s):
+            with self._busy_lock:
+                self._busy_lookups += 1
+            return LookupResult(len(block_hashes), spec.block_size, ())
+        try:
+            return self._lookup_locked(ns_id, spec, block_hashes, lease_ttl_s)
+        finally:
+            self._lock.release()
+
+    def _acquire(self, wait_s: float | None) -> bool:
+        return self._lock.acquire() if wait_s is None else self._lock.acquire(timeout=max(0.0, wait_s))
+
+    def _lookup_locked(self, ns_id: bytes, spec: BlockSpec, block_hashes: Sequence[bytes],
+                       lease_ttl_s: float | None) -> LookupResult:
+        """``lookup`` once it holds the lock."""
+        self._expire_leases()
+        try:
+            top = self._top_tiers(ns_id, block_hashes)
+        except TypeError:  # unhashable element: say what is wrong with the input
+            check_hashes(block_hashes)
+            raise
+        # Every hit matched a stored 16-byte digest exactly, so only the rest needs checking:
+        # an all-hit lookup pays nothing for validation.
+        check_hashes(block_hashes[len(top):])
+        self._counters["lookups"] += 1
+        self._counters["lookup_blocks"] += len(block_hashes)
+        self._counters["hit_blocks"] += len(top)
+        for name in set(top):
+            self._counters[f"hit_blocks:{self._tier_index[name]}"] += top.count(name)
+        lease = None
+        if lease_ttl_s is not None and top:
+            lease = self._leases.grant([ns_id + h for h in block_hashes[: len(top)]], lease_ttl_s)
         tiers = tuple(top)
         refused = lease_ttl_s is not None and bool(top) and lease is None
         return LookupResult(len(block_hashes), spec.block_size, tiers, lease.id if lease else None, refused)
@@ -166,12 +187,22 @@ class TieredStore(PlacementMixin):
 
     def release(self, lease_id: int) -> None:
         """End a lease. Raises ``UnknownLease`` if it was never issued, released or expired."""
-        with self._lock:
+        self.try_release(lease_id, None)
+
+    def try_release(self, lease_id: int, wait_s: float | None) -> bool:
+        """``release``, waiting at most ``wait_s`` for the store's lock (see ``lookup``): False
+        when it stayed held, the lease then still pinning its blocks."""
+        if not self._acquire(wait_s):
+            return False
+        try:
             self._expire_leases()
             keys = self._lease_keys(lease_id)
             if not self._leases.release(lease_id):
                 raise UnknownLease(f"lease {lease_id} is unknown: never issued, already released, or expired")
             self._bury_doomed(keys)
+        finally:
+            self._lock.release()
+        return True
 
     # ---- load --------------------------------------------------------------------------
 
@@ -494,7 +525,8 @@ class TieredStore(PlacementMixin):
                 rejected_blocks=c["rejected_blocks"],
                 leases_active=len(self._leases),
                 lease_expiries=self._leases.expired_total,
-                counters={"writes_run_inline": self._writer.ran_inline if self._writer else 0},
+                counters={"writes_run_inline": self._writer.ran_inline if self._writer else 0,
+                          "busy_lookups": self._busy_lookups},
             )
 
     def check_integrity(self) -> None:

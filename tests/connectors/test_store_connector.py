@@ -258,3 +258,33 @@ def test_host_hits_count_as_loads_from_the_host_tier(tmp_path, hashes):
     assert store.stats().tier("host").loaded_blocks - before == 4
     connector.close()
     store.close()
+
+
+def test_lookups_and_releases_never_wait_long_on_a_held_store_lock(tmp_path, hashes):
+    """The engine's thread looks up and releases; a thread stuck in disk I/O under the store's lock
+    costs a lookup ``lookup_timeout_s`` (then a miss) and a release nothing (it ends later)."""
+    store = make_store(tmp_path)
+    connector = StoreConnector(store, NS, lookup_timeout_s=0.2)
+    connector.save("a", hashes, range(6), BytePool(6, seed=14), parent=None)
+    connector.flush()
+    assert connector.lookup("r", hashes).blocks == 6
+    unstick, held = threading.Event(), threading.Event()
+
+    def hold_the_lock():
+        with store._lock:
+            held.set()
+            unstick.wait(30)
+
+    threading.Thread(target=hold_the_lock, daemon=True).start()
+    assert held.wait(5)
+    started = time.monotonic()
+    connector.release("r")
+    assert time.monotonic() - started < 1, "release waited on the store's lock"
+    started = time.monotonic()
+    assert connector.lookup("s", hashes).blocks == 0
+    assert 0.2 <= time.monotonic() - started < 3
+    unstick.set()
+    assert until(lambda: store.stats().leases_active == 0), "the handed-off release ends the lease"
+    assert connector.lookup("t", hashes).blocks == 6
+    connector.close()
+    store.close()

@@ -122,6 +122,36 @@ def test_a_load_hung_on_disk_is_recomputed_at_its_deadline_not_waited_for(v3, tm
     store.close()
 
 
+def test_the_engine_serves_while_the_stores_lock_is_held_by_a_thread_stuck_in_io(v3, tmp_path):
+    """Lookups miss after ``lookup_timeout_s``, saves wait on their own thread, releases are
+    handed off: the engine computes the prompt cold instead of stalling on the store."""
+    model = v3.ours
+    prompt = prompt_ids(45, seed=34)
+    store = open_store(tmp_path)
+    producer, _, connector = engine_over(model, store)
+    producer.run([Request(prompt, NEW)])
+    connector.flush()
+    consumer, recorder, connector = engine_over(model, store, lookup_timeout_s=0.3)
+    unstick, held = threading.Event(), threading.Event()
+
+    def hold_the_lock():
+        with store._lock:
+            held.set()
+            unstick.wait(60)
+
+    threading.Thread(target=hold_the_lock, daemon=True).start()
+    assert held.wait(5)
+    started = time.monotonic()
+    [out] = consumer.run([Request(prompt, NEW)])
+    assert time.monotonic() - started < 20, "the engine stalled on the store's lock"
+    assert (out.stats.connector_hit_tokens, out.stats.computed_prompt_tokens) == (0, 45)
+    assert_matches_cold(model, recorder, prompt, out.output_ids, computed_from=0)
+    unstick.set()
+    connector.flush()
+    assert store.stats().leases_active == 0
+    store.close()
+
+
 def test_a_store_that_dropped_the_indexer_keys_is_a_miss_never_a_partial_hit(v32, tmp_path):
     """V3.2 blocks carry the indexer keys as a component of the same block. A store that kept
     only the latents would either write blocks of the wrong size (refused) or write them under
