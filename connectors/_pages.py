@@ -131,16 +131,17 @@ class BackgroundLoad(LoadHandle):
     one) is abandoned by the first wait that runs out: its fence closes, so whatever it still
     does later writes nothing into the engine's pages, and the load counts as failed unless every
     layer was already in place. The engine then recomputes those pages at once instead of hanging
-    with the load. ``deadline_s=None`` waits forever.
+    with the load. ``deadline_s=None`` waits forever. ``cancel`` abandons at once. A load failed
+    either way calls ``on_abandon(cancelled)`` once, on the thread that gave up on it.
     """
 
     def __init__(self, name: str, blocks: int, num_layers: int,
                  body: Callable[[Callable[[int], None], PageFence], None],
                  finish: Callable[[], None] = lambda: None, logger: logging.Logger = log,
-                 deadline_s: float | None = None):
+                 deadline_s: float | None = None, on_abandon: Callable[[bool], None] = lambda cancelled: None):
         self._log = logger
         self._name, self._blocks, self._num_layers = name, blocks, num_layers
-        self._body, self._finish = body, finish
+        self._body, self._finish, self._on_abandon = body, finish, on_abandon
         self._deadline_s = check_load_timeout(deadline_s)
         self._deadline = None if deadline_s is None else time.monotonic() + deadline_s
         self._fence = PageFence()
@@ -197,7 +198,7 @@ class BackgroundLoad(LoadHandle):
         with self._cond:
             if self._settled:
                 return
-        self._abandon("the load was cancelled")
+        self._abandon(cancelled=True)
 
     def _wait_until(self, ready: Callable[[], bool]) -> bool:
         """Whether ``ready()`` held before the deadline (always, in the end, without one)."""
@@ -205,16 +206,22 @@ class BackgroundLoad(LoadHandle):
             remaining = None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
             return self._cond.wait_for(ready, timeout=remaining)
 
-    def _abandon(self, why: str | None = None) -> None:
+    def _abandon(self, cancelled: bool = False) -> None:
+        """Close the fence; fail the load unless it is complete, and then tell ``on_abandon``."""
         self._fence.close()  # waits for a write in progress; none lands after this
         with self._cond:
+            first = not self._abandoned
             self._abandoned = True
-            if self._failed is None and self._done_layers < self._num_layers:
-                why = why or f"the load did not finish within its {self._deadline_s:g} s deadline"
+            gave_up = self._failed is None and self._done_layers < self._num_layers
+            if gave_up:
+                why = "the load was cancelled" if cancelled else \
+                    f"the load did not finish within its {self._deadline_s:g} s deadline"
                 self._failed = f"{why} ({self._done_layers} of {self._num_layers} layers in place)"
-                if why.startswith("the load did not finish"):
+                if not cancelled:
                     self._log.warning("load for %s abandoned: %s; the engine recomputes it", self._name, self._failed)
             self._cond.notify_all()
+        if first and gave_up:
+            self._on_abandon(cancelled)
 
 
 class SaveWriter:

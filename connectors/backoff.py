@@ -5,7 +5,8 @@ every call then takes its whole deadline. For an engine's lookup, on the schedul
 is a stall per request. ``Backoff`` keeps the peer's state: after a call that found it not
 answering, calls are refused for a window (``allow()`` is False: the caller treats it as a miss)
 that starts at ``initial_s`` and doubles with each failed probe up to ``max_s``. Once a window
-has passed, one caller at a time probes; a call that gets any answer closes the window.
+has passed, one caller at a time probes; a call that gets any answer closes the window. A probe
+whose outcome is never reported (its caller dropped it) lapses after another window.
 
 Policy only: it never calls anything. Thread-safe.
 """
@@ -26,15 +27,17 @@ class Backoff:
         self._window_s = 0.0  # 0: the peer answers
         self._retry_at = 0.0
         self._probing = False
+        self._probe_lapses_at = 0.0
 
     def allow(self) -> bool:
         """Whether a call may go to the peer now; the first caller after a window is its probe."""
         with self._lock:
             if not self._window_s:
                 return True
-            if self._probing or self._clock() < self._retry_at:
+            now = self._clock()
+            if now < self._retry_at or (self._probing and now < self._probe_lapses_at):
                 return False
-            self._probing = True
+            self._probing, self._probe_lapses_at = True, now + self._window_s
             return True
 
     def answered(self) -> None:

@@ -25,6 +25,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from connectors.backoff import Backoff
 from connectors._pages import (DEFAULT_LOAD_TIMEOUT_S, DEFAULT_LOOKUP_TIMEOUT_S, BackgroundLoad, SaveWriter, check_load_timeout, gather_blocks,
                               load_targets, scatter_layer)
 from connectors.base import ConnectorHit, KVConnector, LoadFailed, LoadHandle, PageBytes
@@ -59,6 +60,12 @@ class StoreConnector(KVConnector):
         self._lock = threading.Lock()
         self._saves = SaveWriter(lambda hashes, payloads, parent: self.store.put(self.ns_id, hashes, payloads,
                                                                                  parent=parent), logger=log)
+        # Tiers below memory whose reads a load was given up on: hits stop at memory for a window
+        # long enough that probing costs one request a deadline now and then (5 s, or twice the
+        # deadline, doubling per failed probe up to 20 deadlines or 5 minutes).
+        self._memory_tiers = {tier.name for tier in store.tiers if tier.in_memory}
+        deadline = self.load_timeout_s or 0.0
+        self._lower_tiers = Backoff(initial_s=max(5.0, 2 * deadline), max_s=max(300.0, 20 * deadline))
 
     # ---- lookup side -------------------------------------------------------------------
 
@@ -69,6 +76,11 @@ class StoreConnector(KVConnector):
             with self._lock:
                 self._leases[request_id] = result.lease_id
         blocks = result.hit_blocks if result.lease_id is not None or not result.hit_blocks else 0
+        in_memory = next((i for i, tier in enumerate(result.tiers) if tier not in self._memory_tiers), blocks)
+        if in_memory < blocks and not self._lower_tiers.allow():
+            blocks = in_memory  # a read below memory hung lately: do not make this request wait on one
+            if not blocks:
+                self.release(request_id)
         return ConnectorHit(request_id, blocks, self.spec.block_size, result.tiers[:blocks])
 
     # ---- transfer side -----------------------------------------------------------------
@@ -79,12 +91,14 @@ class StoreConnector(KVConnector):
         with self._lock:
             lease_id = self._leases.pop(hit.request_id, None)
 
+        reading_below = threading.Event()  # set while the load reads blocks below memory
+
         def copy_layer_major(layer_done, fence) -> None:  # layer 0 of every block, then layer 1, ...
             # Blocks the lease pins in the host tier are copied straight out of its shared memory,
             # a layer at a time. The rest (disk) are read whole into the load's own buffers first:
             # one large verified read per block instead of a small, latency-bound read per layer.
             views = self.store.leased_views(self.ns_id, hashes, lease_id) if lease_id is not None else []
-            sources = [view for _, view in views] + [self._read_whole(h) for h in hashes[len(views):]]
+            sources = [view for _, view in views] + self._read_below(hashes[len(views):], reading_below)
             staging = _DeviceStaging.for_pool(pool, pages, self.spec.layer_bytes)
             for layer in range(self.spec.num_layers):
                 with fence:  # memory copies only: a read that hangs never holds the fence
@@ -103,9 +117,26 @@ class StoreConnector(KVConnector):
             for tier in {name for name, _ in views}:
                 self.store.record_access(self.ns_id, [h for h, (name, _) in zip(hashes, views) if name == tier], tier)
 
+        def given_up(cancelled: bool) -> None:
+            if reading_below.is_set():  # stuck below memory (or cancelled there: no verdict)
+                self._lower_tiers.answered() if cancelled else self._lower_tiers.not_answering()
+            self._end_lease(hit.request_id, lease_id)  # the fence is closed: nothing reads the views now
+
         return BackgroundLoad(hit.request_id, len(hashes), self.spec.num_layers, copy_layer_major,
                               lambda: self._end_lease(hit.request_id, lease_id), logger=log,
-                              deadline_s=self.load_timeout_s)
+                              deadline_s=self.load_timeout_s, on_abandon=given_up)
+
+    def _read_below(self, hashes: list[bytes], reading: threading.Event) -> list[np.ndarray]:
+        """``hashes``' payloads read whole, with ``reading`` set meanwhile; any answer (a corrupt
+        block too) tells the lower tiers' back-off they answer."""
+        if not hashes:
+            return []
+        reading.set()
+        try:
+            return [self._read_whole(h) for h in hashes]
+        finally:
+            reading.clear()
+            self._lower_tiers.answered()
 
     def _read_whole(self, block_hash: bytes) -> np.ndarray:
         """One block's verified payload [block_bytes] uint8, read in one piece."""

@@ -60,6 +60,7 @@ class TierStats:
 class Tier(ABC):
     name: str
     capacity_bytes: int
+    in_memory = False  # reads are memory copies that cannot hang on a device (``view`` may lend them)
 
     @property
     @abstractmethod

@@ -26,6 +26,7 @@ DEFAULT_PAGE_BYTES = 64 << 20
 
 class HostTier(Tier):
     name = "host"
+    in_memory = True
 
     def __init__(
         self,

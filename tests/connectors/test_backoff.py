@@ -79,3 +79,15 @@ def test_only_one_of_many_threads_probes():
 def test_windows_must_be_positive_and_ordered(initial, maximum):
     with pytest.raises(ValueError, match="initial_s <= max_s"):
         Backoff(initial, maximum)
+
+
+def test_a_probe_never_reported_lapses_after_another_window():
+    clock = Clock()
+    backoff = Backoff(initial_s=1, clock=clock)
+    backoff.not_answering()
+    clock.now += 1
+    assert backoff.allow()  # a probe whose caller never says how it went
+    clock.now += 0.5
+    assert not backoff.allow()
+    clock.now += 0.5
+    assert backoff.allow(), "the lost probe lapsed; another goes"

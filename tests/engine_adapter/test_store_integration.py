@@ -105,12 +105,16 @@ def test_a_load_hung_on_disk_is_recomputed_at_its_deadline_not_waited_for(v3, tm
     connector.flush()
     disk, unstick, read = store.tiers[0], threading.Event(), store.tiers[0].read
     disk.read = lambda *args, **kwargs: unstick.wait(30) and read(*args, **kwargs)
-    consumer, recorder, _ = engine_over(model, store, load_timeout_s=0.5)
+    consumer, recorder, connector = engine_over(model, store, load_timeout_s=0.5)
     started = time.monotonic()
     [out] = consumer.run([Request(prompt, NEW)])
     assert time.monotonic() - started < 20, "the engine waited for the hung load"
     assert (out.stats.load_failures, out.stats.connector_hit_tokens, out.stats.computed_prompt_tokens) == (1, 0, 45)
     assert_matches_cold(model, recorder, prompt, out.output_ids, computed_from=0)
+    other = Engine(Recorder(model), PagePool(model.config, 32, page_size=P), connector=connector)
+    [next_one] = other.run([Request(prompt, NEW)])  # the disk still hangs: no second wait on it
+    assert (next_one.stats.load_failures, next_one.stats.connector_hit_tokens) == (0, 0)
+    assert next_one.output_ids == out.output_ids
     unstick.set()
     deadline = time.monotonic() + 10
     while store.stats().leases_active and time.monotonic() < deadline:
