@@ -24,6 +24,7 @@ from kvstore.layout import BlockSpec
 log = logging.getLogger("connectors")
 DEFAULT_LOAD_TIMEOUT_S = 30.0  # far beyond a healthy load (GB/s), well short of a hung request
 DEFAULT_LOOKUP_TIMEOUT_S = 1.0  # a lookup is on the engine's scheduling path; a healthy one takes ms
+DEFAULT_MAX_PENDING_SAVE_BYTES = 1 << 30  # saves copied out of the engine's pages, not yet in the store
 
 
 def check_load_timeout(seconds: float | None) -> float | None:
@@ -228,19 +229,43 @@ class SaveWriter:
     """One background thread that hands queued saves to ``write(hashes, payloads, parent)``.
 
     A save that fails is logged and dropped (its blocks stay uncached); ``flush`` waits for every
-    save queued so far; ``close`` flushes and ends the thread.
+    save queued so far; ``close`` flushes and ends the thread. The queue holds at most
+    ``max_pending_bytes`` of payloads (one save always fits): a store that stops keeping up (a
+    hung disk, its lock held) would otherwise grow the engine's memory without bound. A save
+    beyond it is dropped, counted in ``dropped_blocks`` and warned about once per episode.
     """
 
     def __init__(self, write: Callable[[list[bytes], list[np.ndarray], bytes | None], None],
                  failed_message: str = "saving blocks to the store failed; they stay uncached",
-                 logger: logging.Logger = log):
+                 logger: logging.Logger = log, max_pending_bytes: int = DEFAULT_MAX_PENDING_SAVE_BYTES):
+        if not max_pending_bytes > 0:
+            raise ValueError(f"max_pending_save_bytes must be positive, not {max_pending_bytes!r}")
         self._write, self._failed_message, self._log = write, failed_message, logger
+        self._max_pending_bytes = max_pending_bytes
+        self._pending_bytes = 0
+        self._pending_lock = threading.Lock()
+        self._dropping = False
+        self.dropped_blocks = 0
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="kv-save", daemon=True)
         self._thread.start()
 
     def put(self, hashes: Sequence[bytes], payloads: list[np.ndarray], parent: bytes | None) -> None:
-        self._queue.put((list(hashes), payloads, parent))
+        nbytes = sum(payload.nbytes for payload in payloads)
+        with self._pending_lock:
+            if self._pending_bytes and self._pending_bytes + nbytes > self._max_pending_bytes:
+                self.dropped_blocks += len(hashes)
+                if not self._dropping:
+                    self._log.warning("saves waiting for the store passed %d bytes: it is not keeping up; new saves "
+                                      "are dropped (their blocks stay uncached) until it catches up",
+                                      self._max_pending_bytes)
+                    self._dropping = True
+                return
+            if self._dropping:
+                self._log.info("the store caught up with saves; %d blocks were dropped meanwhile", self.dropped_blocks)
+                self._dropping = False
+            self._pending_bytes += nbytes
+        self._queue.put((list(hashes), payloads, parent, nbytes))
 
     def flush(self) -> None:
         self._queue.join()
@@ -258,7 +283,12 @@ class SaveWriter:
             try:
                 if item is None:
                     return
-                self._write(*item)
+                hashes, payloads, parent, nbytes = item
+                try:
+                    self._write(hashes, payloads, parent)
+                finally:
+                    with self._pending_lock:
+                        self._pending_bytes -= nbytes
             except Exception:
                 self._log.exception(self._failed_message)
             finally:

@@ -42,7 +42,8 @@ from typing import Sequence
 import grpc
 import numpy as np
 
-from connectors._pages import (DEFAULT_LOAD_TIMEOUT_S, DEFAULT_LOOKUP_TIMEOUT_S, BackgroundLoad, PageFence, SaveWriter, check_load_timeout,
+from connectors._pages import (DEFAULT_LOAD_TIMEOUT_S, DEFAULT_LOOKUP_TIMEOUT_S, DEFAULT_MAX_PENDING_SAVE_BYTES,
+                              BackgroundLoad, PageFence, SaveWriter, check_load_timeout,
                               gather_blocks, load_targets, scatter_layer)
 from connectors.base import ConnectorHit, KVConnector, LoadFailed, LoadHandle, PageBytes
 from connectors.sidecar_session import NOT_ANSWERING, SidecarNotAnswering, SidecarSession, describe
@@ -60,13 +61,15 @@ class SidecarConnector(KVConnector):
     def __init__(self, sidecar: str | KVStoreClient, namespace: Namespace, lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
                  read_only: bool = False, timeout_s: float | None = DEFAULT_TIMEOUT_S,
                  limits: ServiceLimits = ServiceLimits(), load_timeout_s: float | None = DEFAULT_LOAD_TIMEOUT_S,
-                 lookup_timeout_s: float = DEFAULT_LOOKUP_TIMEOUT_S):
+                 lookup_timeout_s: float = DEFAULT_LOOKUP_TIMEOUT_S,
+                 max_pending_save_bytes: int = DEFAULT_MAX_PENDING_SAVE_BYTES):
         """``sidecar``: ``HOST:PORT``, ``unix:PATH`` or a client (then the caller closes it).
         ``limits`` must match the sidecar's (transfer batch size, chunk and message sizes).
         ``timeout_s`` bounds each call to the sidecar, ``lookup_timeout_s`` a lookup (the engine
         waits on it), ``load_timeout_s`` a whole load, after which the engine gives up on it and
         recomputes (None: no bound). A sidecar that stops answering is skipped for a back-off
-        window (``SidecarSession``): lookups are misses at once meanwhile."""
+        window (``SidecarSession``): lookups are misses at once meanwhile. Saves waiting for the
+        sidecar beyond ``max_pending_save_bytes`` are dropped (``SaveWriter``)."""
         if not lookup_timeout_s > 0:
             raise ValueError(f"lookup_timeout_s must be positive seconds, not {lookup_timeout_s!r}")
         self.lookup_timeout_s = lookup_timeout_s
@@ -85,7 +88,8 @@ class SidecarConnector(KVConnector):
                                       meanwhile="the engine serves without it (misses)")
         self._leases: dict[str, int] = {}
         self._lock = threading.Lock()
-        self._saves = SaveWriter(self._put, "saving blocks to the sidecar failed; they stay uncached", logger=log)
+        self._saves = SaveWriter(self._put, "saving blocks to the sidecar failed; they stay uncached", logger=log,
+                                 max_pending_bytes=max_pending_save_bytes)
         self._reports = ThreadPoolExecutor(1, thread_name_prefix="kvstore-report")  # off the engine's step
         try:
             self.session.register()

@@ -26,7 +26,8 @@ import numpy as np
 import torch
 
 from connectors.backoff import Backoff
-from connectors._pages import (DEFAULT_LOAD_TIMEOUT_S, DEFAULT_LOOKUP_TIMEOUT_S, BackgroundLoad, SaveWriter, check_load_timeout, gather_blocks,
+from connectors._pages import (DEFAULT_LOAD_TIMEOUT_S, DEFAULT_LOOKUP_TIMEOUT_S, DEFAULT_MAX_PENDING_SAVE_BYTES,
+                              BackgroundLoad, SaveWriter, check_load_timeout, gather_blocks,
                               load_targets, scatter_layer)
 from connectors.base import ConnectorHit, KVConnector, LoadFailed, LoadHandle, PageBytes
 from kvstore.errors import UnknownLease
@@ -41,12 +42,14 @@ RELEASE_WAIT_S = 0.05  # the engine's thread waits this long for the store's loc
 class StoreConnector(KVConnector):
     def __init__(self, store: TieredStore, namespace: Namespace, lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
                  read_only: bool = False, load_timeout_s: float | None = DEFAULT_LOAD_TIMEOUT_S,
-                 lookup_timeout_s: float = DEFAULT_LOOKUP_TIMEOUT_S):
+                 lookup_timeout_s: float = DEFAULT_LOOKUP_TIMEOUT_S,
+                 max_pending_save_bytes: int = DEFAULT_MAX_PENDING_SAVE_BYTES):
         """``load_timeout_s``: how long the engine waits for a load before it gives up on it and
         recomputes (``BackgroundLoad``); None waits forever. ``lookup_timeout_s``: how long a
         lookup waits for the store's lock (held through disk I/O by an eviction, say) before it
         answers a miss. Ending a lease never waits on the engine's thread: a busy store's lock
-        hands it to a thread of its own."""
+        hands it to a thread of its own. ``max_pending_save_bytes``: saves waiting for the store
+        beyond this are dropped (``SaveWriter``)."""
         if not lookup_timeout_s > 0:
             raise ValueError(f"lookup_timeout_s must be positive seconds, not {lookup_timeout_s!r}")
         self.store = store
@@ -59,7 +62,8 @@ class StoreConnector(KVConnector):
         self._leases: dict[str, int] = {}
         self._lock = threading.Lock()
         self._saves = SaveWriter(lambda hashes, payloads, parent: self.store.put(self.ns_id, hashes, payloads,
-                                                                                 parent=parent), logger=log)
+                                                                                 parent=parent), logger=log,
+                                 max_pending_bytes=max_pending_save_bytes)
         # Tiers below memory whose reads a load was given up on: hits stop at memory for a window
         # long enough that probing costs one request a deadline now and then (5 s, or twice the
         # deadline, doubling per failed probe up to 20 deadlines or 5 minutes).

@@ -1,14 +1,17 @@
 """BackgroundLoad's deadline and PageFence: an engine never waits on a hung load, and a load it
-gave up on never writes into its pages afterwards."""
+gave up on never writes into its pages afterwards. SaveWriter: saves never wait on the engine's
+thread, and never pile up without bound."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
+import numpy as np
 import pytest
 
-from connectors._pages import BackgroundLoad, LoadAbandoned, PageFence
+from connectors._pages import BackgroundLoad, LoadAbandoned, PageFence, SaveWriter
 from connectors.base import LoadFailed
 
 LAYERS = 3
@@ -225,3 +228,38 @@ def test_wait_alone_ends_at_the_deadline_for_a_hung_load():
     assert handle.wait() == 0
     assert 0.3 <= time.monotonic() - started < 5
     unstick.set()
+
+
+def test_saves_beyond_the_pending_bound_are_dropped_until_the_store_catches_up(caplog):
+    """A store that stops keeping up must not grow the engine's memory without bound."""
+    unstick, written = threading.Event(), []
+
+    def write(hashes, payloads, parent):
+        unstick.wait(30)
+        written.extend(hashes)
+
+    saves = SaveWriter(write, max_pending_bytes=3000)
+    block = [np.zeros(1000, np.uint8)]
+    with caplog.at_level(logging.INFO, logger="connectors"):
+        for i in range(10):  # the first is being written (stuck), two more wait, the rest do not fit
+            saves.put([bytes([i])], block, None)
+        assert saves.dropped_blocks == 7
+        unstick.set()
+        saves.flush()
+        assert written == [bytes([0]), bytes([1]), bytes([2])]
+        saves.put([b"x"], block, None)
+        saves.flush()
+    assert written[-1] == b"x", "saves resume once the store caught up"
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "not keeping up" in warnings[0].getMessage()
+    assert any("caught up" in r.getMessage() for r in caplog.records)
+    saves.close()
+
+
+def test_one_save_larger_than_the_bound_still_goes():
+    written = []
+    saves = SaveWriter(lambda hashes, payloads, parent: written.extend(hashes), max_pending_bytes=10)
+    saves.put([b"a"], [np.zeros(100, np.uint8)], None)
+    saves.flush()
+    assert written == [b"a"] and saves.dropped_blocks == 0
+    saves.close()
