@@ -13,6 +13,7 @@ import pytest
 
 from connectors._pages import BackgroundLoad, LoadAbandoned, PageFence, SaveWriter
 from connectors.base import LoadFailed
+from tests.kvstore.store_helpers import until
 
 LAYERS = 3
 
@@ -27,15 +28,6 @@ class Pages:
         with fence:
             time.sleep(hold_s)
             self.writes.append((layer, time.monotonic()))
-
-
-def finished(condition, timeout_s: float = 10.0) -> bool:
-    end = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def test_a_load_in_time_signals_each_layer_and_reports_every_block():
@@ -72,7 +64,7 @@ def test_a_hung_load_is_abandoned_at_its_deadline_and_writes_nothing_after():
     assert handle.wait() == 0, "an abandoned load reports no block"
     handle.wait_layer(0)  # what was in place before stays valid
     unstick.set()
-    assert finished(lambda: finishes == [1]), "the load ends (and ends its lease) once it is unstuck"
+    assert until(lambda: finishes == [1]), "the load ends (and ends its lease) once it is unstuck"
     assert [w[0] for w in pages.writes] == [0], "nothing was written after the engine gave up"
 
 
@@ -96,7 +88,7 @@ def test_abandoning_waits_for_the_write_in_progress():
     returned = time.monotonic()
     assert pages.writes and pages.writes[0][1] <= returned, "the engine went on while a write was landing"
     unstick.set()
-    assert finished(lambda: not handle._thread.is_alive())
+    assert until(lambda: not handle._thread.is_alive())
     assert [w[0] for w in pages.writes] == [0]
 
 
@@ -163,7 +155,7 @@ def test_cancel_returns_at_once_and_nothing_lands_after():
     with pytest.raises(LoadFailed, match=r"cancelled \(1 of 3 layers"):
         handle.wait_layer(1)
     unstick.set()
-    assert finished(lambda: finishes == [1])
+    assert until(lambda: finishes == [1])
     assert [w[0] for w in pages.writes] == [0]
 
 

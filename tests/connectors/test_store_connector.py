@@ -16,6 +16,7 @@ from kvstore.store import TieredStore
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.host import HostTier
 from kvstore.tiers.segment import HEADER_BYTES
+from tests.kvstore.store_helpers import hold_store_lock, until
 
 NS = Namespace("tiny", "cfg", num_layers=3, components=("mla_bf16", "indexer_bf16"), block_size=4)
 SPEC = BlockSpec.of(NS)
@@ -152,15 +153,6 @@ def stall_reads(tier) -> threading.Event:
     return unstick
 
 
-def until(condition, timeout_s: float = 10.0) -> bool:
-    end = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.01)
-    return True
-
-
 @pytest.mark.parametrize("stuck", ["disk read", "store lock"])
 def test_a_load_stuck_in_the_store_is_given_up_at_its_deadline_and_never_writes_late(tmp_path, hashes, stuck):
     """A disk read that hangs, or the store's lock held by a thread stuck in I/O: the engine's
@@ -179,15 +171,7 @@ def test_a_load_stuck_in_the_store_is_given_up_at_its_deadline_and_never_writes_
     if stuck == "disk read":
         unstick = stall_reads(store.tiers[1])
     else:
-        unstick, held = threading.Event(), threading.Event()
-
-        def hold_the_lock():  # as a thread stuck in disk I/O under the store's lock
-            with store._lock:
-                held.set()
-                unstick.wait(30)
-
-        threading.Thread(target=hold_the_lock, daemon=True).start()
-        assert held.wait(5)
+        unstick = hold_store_lock(store)
     target = BytePool(6)
     started = time.monotonic()
     handle = connector.start_load(hit, hashes, range(6), target)
@@ -273,15 +257,7 @@ def test_lookups_and_releases_never_wait_long_on_a_held_store_lock(tmp_path, has
     connector.save("a", hashes, range(6), BytePool(6, seed=14), parent=None)
     connector.flush()
     assert connector.lookup("r", hashes).blocks == 6
-    unstick, held = threading.Event(), threading.Event()
-
-    def hold_the_lock():
-        with store._lock:
-            held.set()
-            unstick.wait(30)
-
-    threading.Thread(target=hold_the_lock, daemon=True).start()
-    assert held.wait(5)
+    unstick = hold_store_lock(store)
     started = time.monotonic()
     connector.release("r")
     assert time.monotonic() - started < 1, "release waited on the store's lock"

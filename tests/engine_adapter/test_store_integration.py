@@ -28,6 +28,7 @@ from kvstore.tiers.host import HostTier
 from kvstore.tiers.segment import HEADER_BYTES
 from tests.engine_adapter.engine_helpers import Recorder, prompt_ids
 from tests.engine_adapter.test_engine import NEW, P, assert_matches_cold
+from tests.kvstore.store_helpers import hold_store_lock, until
 
 
 def open_store(tmp_path, host: bool = True) -> TieredStore:
@@ -116,10 +117,7 @@ def test_a_load_hung_on_disk_is_recomputed_at_its_deadline_not_waited_for(v3, tm
     assert (next_one.stats.load_failures, next_one.stats.connector_hit_tokens) == (0, 0)
     assert next_one.output_ids == out.output_ids
     unstick.set()
-    deadline = time.monotonic() + 10
-    while store.stats().leases_active and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert store.stats().leases_active == 0
+    assert until(lambda: store.stats().leases_active == 0)
     consumer.check_integrity()
     [again] = consumer.run([Request(prompt, NEW)])  # the device pages it recomputed still serve
     assert again.stats.device_hit_tokens == 40 and again.output_ids == out.output_ids
@@ -136,15 +134,7 @@ def test_the_engine_serves_while_the_stores_lock_is_held_by_a_thread_stuck_in_io
     producer.run([Request(prompt, NEW)])
     connector.flush()
     consumer, recorder, connector = engine_over(model, store, lookup_timeout_s=0.3)
-    unstick, held = threading.Event(), threading.Event()
-
-    def hold_the_lock():
-        with store._lock:
-            held.set()
-            unstick.wait(60)
-
-    threading.Thread(target=hold_the_lock, daemon=True).start()
-    assert held.wait(5)
+    unstick = hold_store_lock(store, 60)
     started = time.monotonic()
     [out] = consumer.run([Request(prompt, NEW)])
     assert time.monotonic() - started < 20, "the engine stalled on the store's lock"

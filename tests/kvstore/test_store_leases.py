@@ -16,7 +16,7 @@ from kvstore.errors import UnknownLease
 from kvstore.keys import namespace_hashes
 from kvstore.layout import BlockSpec
 from tests.conftest import payloads_for, tiny_namespace
-from tests.kvstore.store_helpers import SLOTS4, host_resident, load_all, put_chain, tokens
+from tests.kvstore.store_helpers import SLOTS4, hold_store_lock, host_resident, load_all, put_chain, tokens
 
 
 # ---- leases -------------------------------------------------------------------------------
@@ -78,25 +78,11 @@ def test_a_lease_past_its_ttl_is_dead_once_the_store_expires_it(make_store, name
     assert not store.lease_alive(hit.lease_id)
 
 
-def hold_the_lock(store) -> threading.Event:
-    """Hold the store's lock on another thread (as one stuck in disk I/O) until the event is set."""
-    unstick, held = threading.Event(), threading.Event()
-
-    def hold():
-        with store._lock:
-            held.set()
-            unstick.wait(30)
-
-    threading.Thread(target=hold, daemon=True).start()
-    assert held.wait(5)
-    return unstick
-
-
 def test_a_lookup_waits_for_a_held_lock_at_most_wait_s_then_misses(make_store, namespace, spec, chain):
     store = make_store(background_writes=False)
     ns_id = store.register_namespace(namespace)
     put_chain(store, ns_id, spec, chain[:2])
-    unstick = hold_the_lock(store)
+    unstick = hold_store_lock(store)
     started = time.monotonic()
     busy = store.lookup(ns_id, chain[:2], lease_ttl_s=60, wait_s=0.2)
     assert 0.2 <= time.monotonic() - started < 3
@@ -112,7 +98,7 @@ def test_try_release_hands_back_a_lease_it_could_not_end_for_a_held_lock(make_st
     ns_id = store.register_namespace(namespace)
     put_chain(store, ns_id, spec, chain[:2])
     hit = store.lookup(ns_id, chain[:2], lease_ttl_s=60)
-    unstick = hold_the_lock(store)
+    unstick = hold_store_lock(store)
     assert store.try_release(hit.lease_id, 0.05) is False
     unstick.set()
     assert store.stats().leases_active == 1, "a release that could not run left the lease alone"
