@@ -103,7 +103,8 @@ class SidecarConnector(KVConnector):
         hashes = list(block_hashes[: self.limits.max_lookup_blocks])
         try:
             result = self.session.call(lambda: self.client.lookup(self.ns_id, hashes, lease_ttl_s=self.lease_ttl_s,
-                                                                  timeout_s=self.lookup_timeout_s))
+                                                                  timeout_s=self.lookup_timeout_s),
+                                       timeout_s=self.lookup_timeout_s)
         except Exception as exc:
             self.session.failed("look up", exc)
             return ConnectorHit(request_id, 0, self.spec.block_size, ())
@@ -234,8 +235,9 @@ class SidecarConnector(KVConnector):
     def _end_lease(self, lease_id: int | None) -> None:
         if lease_id is None:
             return
-        try:
-            self.client.release(lease_id)
+        try:  # on the engine's thread: bounded like a lookup; skipped while the sidecar is not answering (its TTL ends it)
+            self.session.call(lambda: self.client.release(lease_id, timeout_s=self.lookup_timeout_s),
+                              needs_namespace=False)
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.NOT_FOUND:  # NOT_FOUND: expired or ended meanwhile
                 log.debug("releasing lease %d on the sidecar failed: %s", lease_id, describe(exc))

@@ -46,12 +46,15 @@ class SidecarSession:
         self._registered = False
         self._available = True
 
-    def call(self, fn: Callable[[], T]) -> T:
+    def call(self, fn: Callable[[], T], timeout_s: float | None = None, needs_namespace: bool = True) -> T:
+        """``fn()`` unless the sidecar is being skipped. ``timeout_s`` bounds the namespace's
+        registration when one is due (else the client's timeout). ``needs_namespace=False``: a
+        call that neither registers first nor means "namespace unknown" by ``NOT_FOUND``."""
         if not self.backoff.allow():
             raise SidecarNotAnswering(f"skipped: the sidecar stopped answering; next try in "
                                       f"{self.backoff.retry_in_s():.1f} s")
         try:
-            result = self._call_registered(fn)
+            result = self._call_registered(fn, timeout_s) if needs_namespace else fn()
         except grpc.RpcError as exc:
             if exc.code() in NOT_ANSWERING:
                 self.backoff.not_answering()
@@ -67,9 +70,9 @@ class SidecarSession:
             self._available = True
         return result
 
-    def register(self) -> None:
+    def register(self, timeout_s: float | None = None) -> None:
         """Register the namespace now (idempotent on the sidecar); raises what the call raises."""
-        ns_id = self.client.register_namespace(self.namespace)
+        ns_id = self.client.register_namespace(self.namespace, timeout_s)
         if ns_id != self.ns_id:
             raise RuntimeError(f"the sidecar registered {self.namespace.model} as {ns_id.hex()}, "
                                f"expected {self.ns_id.hex()}: it fingerprints namespaces differently")
@@ -86,20 +89,20 @@ class SidecarSession:
         else:
             log.debug("kvstore sidecar %s: cannot %s (%s)", self.target, what, describe(exc))
 
-    def _call_registered(self, fn: Callable[[], T]) -> T:
-        self._ensure_registered()
+    def _call_registered(self, fn: Callable[[], T], timeout_s: float | None) -> T:
+        self._ensure_registered(timeout_s)
         try:
             return fn()
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.NOT_FOUND:
                 raise
             self._registered = False
-            self._ensure_registered()
+            self._ensure_registered(timeout_s)
             return fn()
 
-    def _ensure_registered(self) -> None:
+    def _ensure_registered(self, timeout_s: float | None = None) -> None:
         if not self._registered:
-            self.register()
+            self.register(timeout_s)
 
 
 def describe(exc: Exception) -> str:

@@ -68,6 +68,7 @@ class StoreConnector(KVConnector):
         # long enough that probing costs one request a deadline now and then (5 s, or twice the
         # deadline, doubling per failed probe up to 20 deadlines or 5 minutes).
         self._memory_tiers = {tier.name for tier in store.tiers if tier.in_memory}
+        self._store_lock = Backoff(initial_s=1.0, max_s=15.0)  # a lock held through I/O: skip lookups a while
         deadline = self.load_timeout_s or 0.0
         self._lower_tiers = Backoff(initial_s=max(5.0, 2 * deadline), max_s=max(300.0, 20 * deadline))
 
@@ -75,7 +76,10 @@ class StoreConnector(KVConnector):
 
     def lookup(self, request_id: str, block_hashes: Sequence[bytes]) -> ConnectorHit:
         self.release(request_id)
+        if not self._store_lock.allow():  # held past lookup_timeout_s lately: a miss without a wait
+            return ConnectorHit(request_id, 0, self.spec.block_size, ())
         result = self.store.lookup(self.ns_id, block_hashes, lease_ttl_s=self.lease_ttl_s, wait_s=self.lookup_timeout_s)
+        self._store_lock.not_answering() if result.busy else self._store_lock.answered()
         if result.lease_id is not None:
             with self._lock:
                 self._leases[request_id] = result.lease_id
@@ -96,13 +100,14 @@ class StoreConnector(KVConnector):
             lease_id = self._leases.pop(hit.request_id, None)
 
         reading_below = threading.Event()  # set while the load reads blocks below memory
+        abandoned = threading.Event()  # the engine gave up on the load
 
         def copy_layer_major(layer_done, fence) -> None:  # layer 0 of every block, then layer 1, ...
             # Blocks the lease pins in the host tier are copied straight out of its shared memory,
             # a layer at a time. The rest (disk) are read whole into the load's own buffers first:
             # one large verified read per block instead of a small, latency-bound read per layer.
             views = self.store.leased_views(self.ns_id, hashes, lease_id) if lease_id is not None else []
-            sources = [view for _, view in views] + self._read_below(hashes[len(views):], reading_below)
+            sources = [view for _, view in views] + self._read_below(hashes[len(views):], reading_below, abandoned)
             staging = _DeviceStaging.for_pool(pool, pages, self.spec.layer_bytes)
             for layer in range(self.spec.num_layers):
                 with fence:  # memory copies only: a read that hangs never holds the fence
@@ -122,17 +127,20 @@ class StoreConnector(KVConnector):
                 self.store.record_access(self.ns_id, [h for h, (name, _) in zip(hashes, views) if name == tier], tier)
 
         def given_up(cancelled: bool) -> None:
-            if reading_below.is_set():  # stuck below memory (or cancelled there: no verdict)
-                self._lower_tiers.answered() if cancelled else self._lower_tiers.not_answering()
+            abandoned.set()
+            if reading_below.is_set() and not cancelled:  # stuck below memory past the deadline
+                self._lower_tiers.not_answering()  # (a cancel there gives no verdict: a probe lapses)
             self._end_lease(hit.request_id, lease_id)  # the fence is closed: nothing reads the views now
 
         return BackgroundLoad(hit.request_id, len(hashes), self.spec.num_layers, copy_layer_major,
                               lambda: self._end_lease(hit.request_id, lease_id), logger=log,
                               deadline_s=self.load_timeout_s, on_abandon=given_up)
 
-    def _read_below(self, hashes: list[bytes], reading: threading.Event) -> list[np.ndarray]:
-        """``hashes``' payloads read whole, with ``reading`` set meanwhile; any answer (a corrupt
-        block too) tells the lower tiers' back-off they answer."""
+    def _read_below(self, hashes: list[bytes], reading: threading.Event,
+                    abandoned: threading.Event) -> list[np.ndarray]:
+        """``hashes``' payloads read whole, with ``reading`` set meanwhile. An answer in time (a
+        corrupt block too) tells the lower tiers' back-off they answer; one that comes after the
+        load was given up on (``abandoned``) tells it nothing: they answer, but too late."""
         if not hashes:
             return []
         reading.set()
@@ -140,7 +148,8 @@ class StoreConnector(KVConnector):
             return [self._read_whole(h) for h in hashes]
         finally:
             reading.clear()
-            self._lower_tiers.answered()
+            if not abandoned.is_set():
+                self._lower_tiers.answered()
 
     def _read_whole(self, block_hash: bytes) -> np.ndarray:
         """One block's verified payload [block_bytes] uint8, read in one piece."""
@@ -198,6 +207,7 @@ class _DeviceStaging:
     def __init__(self, blocks: int, layer_bytes: int, device: torch.device):
         self.rows = torch.empty((blocks, layer_bytes), dtype=torch.uint8).pin_memory()
         self.stream = torch.cuda.Stream(device=device)
+        self.stream.wait_stream(torch.cuda.current_stream(device))  # after work already queued on the pages
 
     @classmethod
     def for_pool(cls, pool: PageBytes, pages: Sequence[int], layer_bytes: int) -> "_DeviceStaging | None":

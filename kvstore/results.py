@@ -20,6 +20,7 @@ class LookupResult:
     tiers: tuple[str, ...]
     lease_id: int | None = None
     lease_refused: bool = False  # a lease was asked for but the lease limit was reached
+    busy: bool = False  # not looked up: the store's lock stayed held past the caller's ``wait_s``
 
     @property
     def hit_blocks(self) -> int:

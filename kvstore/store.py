@@ -142,7 +142,7 @@ class TieredStore(PlacementMixin):
         if not self._acquire(wait_s):
             with self._busy_lock:
                 self._busy_lookups += 1
-            return LookupResult(len(block_hashes), spec.block_size, ())
+            return LookupResult(len(block_hashes), spec.block_size, (), busy=True)
         try:
             return self._lookup_locked(ns_id, spec, block_hashes, lease_ttl_s)
         finally:

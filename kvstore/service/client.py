@@ -106,10 +106,11 @@ class KVStoreClient:
         """Block until the channel connects; raises ``grpc.FutureTimeoutError`` after ``timeout_s``."""
         grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
 
-    def register_namespace(self, namespace: Namespace) -> bytes:
-        """Make ``namespace`` usable on the server; idempotent. Returns its 16-byte id."""
+    def register_namespace(self, namespace: Namespace, timeout_s: float | None = None) -> bytes:
+        """Make ``namespace`` usable on the server; idempotent. Returns its 16-byte id.
+        ``timeout_s`` bounds this call instead of the client's timeout."""
         request = pb.RegisterNamespaceRequest(canonical_json=namespace.canonical_json())
-        return self._stub.RegisterNamespace(request, timeout=self._timeout).namespace_id
+        return self._stub.RegisterNamespace(request, timeout=timeout_s or self._timeout).namespace_id
 
     def lookup(self, ns_id: bytes, block_hashes: Sequence[bytes], lease_ttl_s: float | None = None,
                timeout_s: float | None = None) -> LookupResult:
@@ -307,10 +308,11 @@ class KVStoreClient:
                                           computed_tokens=computed_tokens)
         self._stub.ReportPrefill(request, timeout=self._timeout)
 
-    def release(self, lease_id: int) -> None:
+    def release(self, lease_id: int, timeout_s: float | None = None) -> None:
         """End a Lookup's lease (a GetSlots lease: ``release_grant``); NOT_FOUND if it was never
-        issued, already released, or expired."""
-        self._stub.Release(pb.ReleaseRequest(lease_id=lease_id), timeout=self._timeout)
+        issued, already released, or expired. ``timeout_s`` bounds this call instead of the
+        client's timeout."""
+        self._stub.Release(pb.ReleaseRequest(lease_id=lease_id), timeout=timeout_s or self._timeout)
 
     def delete_namespace(self, ns_id: bytes) -> int:
         """Remove every block of a namespace from every tier; returns how many."""

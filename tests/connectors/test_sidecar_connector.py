@@ -213,7 +213,7 @@ def test_a_load_from_a_hung_sidecar_is_given_up_at_its_deadline_and_never_writes
     handle = connector.start_load(hit, hashes, [0, 1, 2], target)
     with pytest.raises(LoadFailed, match="deadline"):
         handle.wait_layer(0)
-    assert 0.5 <= time.monotonic() - started < 10, "the engine waited for the sidecar, not the deadline"
+    assert 0.45 <= time.monotonic() - started < 10, "the engine waited for the sidecar, not the deadline"
     assert handle.wait() == 0
     for layer in target.layers:  # the engine recomputes into the same pages
         layer.fill_(0xAB)
@@ -239,11 +239,14 @@ def test_a_hung_sidecar_costs_one_short_lookup_then_misses_at_once_until_it_answ
     sidecar.loop.call_soon_threadsafe(unstick.wait, 30)
     started = time.monotonic()
     assert connector.lookup("r0", hashes).blocks == 0
-    assert 0.3 <= time.monotonic() - started < 5
+    assert 0.27 <= time.monotonic() - started < 5
     started = time.monotonic()
     for i in range(20):
         assert connector.lookup(f"r{i + 1}", hashes).blocks == 0
     assert time.monotonic() - started < 0.5, "lookups kept waiting on the hung sidecar"
+    started = time.monotonic()
+    connector.release("warm")  # its lease ends at its TTL instead
+    assert time.monotonic() - started < 0.5, "a release waited on the hung sidecar"
     with caplog.at_level(logging.ERROR):
         connector.save("b", hashes[3:5], [0, 1], BytePool(2, seed=13), parent=hashes[2])
         connector.flush()

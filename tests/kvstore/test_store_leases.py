@@ -85,7 +85,7 @@ def test_a_lookup_waits_for_a_held_lock_at_most_wait_s_then_misses(make_store, n
     unstick = hold_store_lock(store)
     started = time.monotonic()
     busy = store.lookup(ns_id, chain[:2], lease_ttl_s=60, wait_s=0.2)
-    assert 0.2 <= time.monotonic() - started < 3
+    assert 0.18 <= time.monotonic() - started < 3
     assert busy.hit_blocks == 0 and busy.lease_id is None
     unstick.set()
     hit = store.lookup(ns_id, chain[:2], lease_ttl_s=60, wait_s=0.2)
