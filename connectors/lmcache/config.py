@@ -42,6 +42,7 @@ class PluginConfig:
     token_file: str | None = None  # file whose first line is the token
     tls_root_certs: str | None = None  # PEM file of the roots that sign the sidecar's certificate: TLS
     timeout_s: float = 10.0  # bound on every sidecar call; past it the call is a miss
+    lookup_timeout_s: float = 1.0  # bound on a lookup (contains, list): LMCache's scheduler waits on it
     lease_ttl_s: float = 30.0  # how long a get pins the blocks it copies from shared memory
     shared_memory: bool = True  # same host: copy from the sidecar's mapped memory (falls back by itself;
     # false, or another host: the sidecar's native data plane streams those blocks, Put carries puts)
@@ -50,7 +51,7 @@ class PluginConfig:
     weights_hash: str = ""  # namespace.weights_hash: fine-tunes that share a model name
 
     def __post_init__(self) -> None:
-        for name in ("timeout_s", "lease_ttl_s", "workers"):
+        for name in ("timeout_s", "lookup_timeout_s", "lease_ttl_s", "workers"):
             if not getattr(self, name) > 0:
                 raise InvalidRequest(f"remote_storage_plugin.*.{name} must be positive, got {getattr(self, name)}")
         if not self.address:

@@ -108,13 +108,19 @@ class KVStoreConnector(RemoteConnector):
         try:
             for start in range(0, len(digests), self._lookup_batch):
                 batch = digests[start : start + self._lookup_batch]
-                hit = self.session.call(partial(self.client.lookup, self.session.ns_id, batch)).hit_blocks
+                hit = self._lookup(batch)
                 found += hit
                 if hit < len(batch):
                     break
         except Exception as exc:
             self._failed("look up objects", exc)
         return found
+
+    def _lookup(self, digests: list[bytes]) -> int:
+        """Leading ``digests`` the sidecar holds; waits at most ``lookup_timeout_s`` (registration too)."""
+        bound = self.settings.lookup_timeout_s
+        return self.session.call(partial(self.client.lookup, self.session.ns_id, digests, timeout_s=bound),
+                                 timeout_s=bound).hit_blocks
 
     def support_batched_async_contains(self) -> bool:
         return True
@@ -315,7 +321,7 @@ class KVStoreConnector(RemoteConnector):
         try:
             while start < len(keys):  # each Lookup answers the leading run present, so skip one miss per call
                 batch = digests[start : start + self._lookup_batch]
-                hit = self.session.call(partial(self.client.lookup, self.session.ns_id, batch)).hit_blocks
+                hit = self._lookup(batch)
                 present += keys[start : start + hit]
                 start += hit if hit == len(batch) else hit + 1
         except Exception as exc:

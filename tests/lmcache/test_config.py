@@ -41,6 +41,7 @@ def test_an_unknown_key_is_refused_with_the_valid_ones():
 @pytest.mark.parametrize("key, value, message", [
     ("workers", "many", "must be a number"),
     ("timeout_s", "0", "timeout_s must be positive"),
+    ("lookup_timeout_s", "-1", "lookup_timeout_s must be positive"),
     ("shared_memory", "maybe", "as a boolean"),
 ])
 def test_a_bad_value_is_refused_with_what_would_be_valid(key, value, message):
