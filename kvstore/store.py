@@ -14,7 +14,10 @@ bytes between tiers by two knobs:
 
 Concurrency: one lock guards the directory, policies and pins; byte copies run outside it. A
 block is pinned (by a lease or by the store itself) whenever bytes are being read from it, and a
-pinned block is never evicted or removed.
+pinned block is never evicted or removed. The lock can be held through disk I/O (an eviction's
+removal or demotion), so callers that must not wait long bound their wait (``lookup(wait_s=)``,
+``try_release``). Placement lives in ``kvstore/placement.py``, what a lease's holder may do in
+``kvstore/lease_holders.py``.
 """
 
 from __future__ import annotations
@@ -33,10 +36,11 @@ from kvstore.buffers import byte_view, check_size
 from kvstore.directory import MAX_TIERS, Directory
 from kvstore.placement import PlacementMixin
 from kvstore.checksum import checksums_ahead
-from kvstore.errors import InvalidRequest, StoreClosed, UnknownLease, UnknownNamespace
+from kvstore.errors import InvalidRequest, StoreClosed, UnknownNamespace
 from kvstore.keys import Namespace
 from kvstore.layout import BlockSpec
 from kvstore.lease import LeaseTable
+from kvstore.lease_holders import LeaseHolderMixin
 from kvstore.policies import DEFAULT_POLICY, EvictionPolicy, make_policy
 from kvstore.results import LoadResult, LookupResult, PutResult, StoreStats
 from kvstore.shadows import ShadowCopies
@@ -49,7 +53,7 @@ MAX_LEASE_TTL_S = 3600.0  # a lease covers a read that follows its lookup, not s
 log = logging.getLogger(__name__)
 
 
-class TieredStore(PlacementMixin):
+class TieredStore(PlacementMixin, LeaseHolderMixin):
     def __init__(
         self,
         tiers: Sequence[Tier],
@@ -185,25 +189,6 @@ class TieredStore(PlacementMixin):
                     return top[:i]
         return top
 
-    def release(self, lease_id: int) -> None:
-        """End a lease. Raises ``UnknownLease`` if it was never issued, released or expired."""
-        self.try_release(lease_id, None)
-
-    def try_release(self, lease_id: int, wait_s: float | None) -> bool:
-        """``release``, waiting at most ``wait_s`` for the store's lock (see ``lookup``): False
-        when it stayed held, the lease then still pinning its blocks."""
-        if not self._acquire(wait_s):
-            return False
-        try:
-            self._expire_leases()
-            keys = self._lease_keys(lease_id)
-            if not self._leases.release(lease_id):
-                raise UnknownLease(f"lease {lease_id} is unknown: never issued, already released, or expired")
-            self._bury_doomed(keys)
-        finally:
-            self._lock.release()
-        return True
-
     # ---- load --------------------------------------------------------------------------
 
     def load(self, ns_id: bytes, block_hashes: Sequence[bytes], dsts: Sequence, lease_id: int | None = None) -> LoadResult:
@@ -247,38 +232,6 @@ class TieredStore(PlacementMixin):
                     keys = self._lease_keys(lease_id)
                     self._leases.release(lease_id)
                     self._bury_doomed(keys)
-
-    def leased_views(self, ns_id: bytes, block_hashes: Sequence[bytes], lease_id: int) -> list[tuple[str, np.ndarray]]:
-        """Zero-copy views of the leading blocks of ``block_hashes`` that lease ``lease_id`` pins,
-        where the tier holding them lends its memory (the host tier's shared memory): per block
-        (tier name, read-only [block_bytes] uint8 view), stopping at the first block that is not.
-
-        A view holds its block's bytes only while the lease lives. Copy out of it, then check
-        ``lease_alive``: if the lease ended meanwhile (released, or expired past its TTL) the slot
-        may have been reused during the copy, which must then be discarded. Counts nothing: tell
-        the store what was used with ``record_access``."""
-        spec = self.spec(ns_id)
-        check_hashes(block_hashes)
-        views = []
-        with self._lock:
-            pinned = set(self._lease_keys(lease_id))
-            for block_hash in block_hashes:
-                key = ns_id + block_hash
-                bits = self._bits(key)
-                if key not in pinned or not bits:
-                    break
-                t = (bits & -bits).bit_length() - 1  # the fastest tier holding it
-                view = self.tiers[t].view(key)
-                if view is None or view.nbytes != spec.block_bytes:
-                    break
-                views.append((self.tiers[t].name, view))
-        return views
-
-    def lease_alive(self, lease_id: int) -> bool:
-        """Whether ``lease_id`` still pins its blocks (not released, not expired). A lease that
-        ended never comes back, so True after a copy means the blocks were pinned throughout it."""
-        with self._lock:
-            return bool(self._lease_keys(lease_id))
 
     def record_access(self, ns_id: bytes, block_hashes: Sequence[bytes], tier: str) -> int:
         """Tell ``tier``'s policy that these resident blocks were read outside ``load`` (the
@@ -409,26 +362,6 @@ class TieredStore(PlacementMixin):
         self._policies[t].on_remove(key)
         if self._shadows is not None:
             self._shadows.update(key, self._bits(key))
-
-    def _readable_run(self, keys: list[bytes], lease_id: int | None) -> list[bytes]:
-        """``keys`` up to the first block deleted meanwhile that ``lease_id`` does not cover: a
-        deleted block stays readable only to the lease holders it waits for. Caller holds the lock."""
-        if not self._doomed:
-            return keys
-        leased = set(self._lease_keys(lease_id)) if lease_id is not None else set()
-        for i, key in enumerate(keys):
-            if key in self._doomed and key not in leased:
-                return keys[:i]
-        return keys
-
-    def _lease_keys(self, lease_id: int) -> tuple[bytes, ...]:
-        return self._leases.keys_of(lease_id)
-
-    def _expire_leases(self) -> None:
-        """End leases past their TTL, then remove doomed blocks they were the last to pin."""
-        self._leases.expire()
-        if self._doomed:
-            self._bury_doomed(list(self._doomed))
 
     def _bury_doomed(self, keys) -> None:
         for key in keys:
