@@ -64,11 +64,11 @@ class StoreConnector(KVConnector):
         self._saves = SaveWriter(lambda hashes, payloads, parent: self.store.put(self.ns_id, hashes, payloads,
                                                                                  parent=parent), logger=log,
                                  max_pending_bytes=max_pending_save_bytes)
-        # Tiers below memory whose reads a load was given up on: hits stop at memory for a window
-        # long enough that probing costs one request a deadline now and then (5 s, or twice the
-        # deadline, doubling per failed probe up to 20 deadlines or 5 minutes).
         self._memory_tiers = {tier.name for tier in store.tiers if tier.in_memory}
         self._store_lock = Backoff(initial_s=1.0, max_s=15.0)  # a lock held through I/O: skip lookups a while
+        # Tiers below memory whose reads a load was given up on: hits stop at memory for a window
+        # long enough that probing costs one request a deadline now and then (5 s or twice the
+        # deadline, doubling per failed probe up to 5 minutes or 20 deadlines, the longer of each).
         deadline = self.load_timeout_s or 0.0
         self._lower_tiers = Backoff(initial_s=max(5.0, 2 * deadline), max_s=max(300.0, 20 * deadline))
 
