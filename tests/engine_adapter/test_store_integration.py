@@ -36,6 +36,14 @@ def open_store(tmp_path, host: bool = True) -> TieredStore:
     return TieredStore(tiers + [DiskTier(str(tmp_path / "disk"), 64 << 20)], background_writes=False)
 
 
+def saved_by_a_producer(model, store, prompt):
+    """An engine that has computed ``prompt`` and saved its blocks into ``store``; and its connector."""
+    producer, _, connector = engine_over(model, store)
+    producer.run([Request(prompt, NEW)])
+    connector.flush()
+    return producer, connector
+
+
 def engine_over(model, store, **options):
     connector = StoreConnector(store, namespace_for(model.config, "deepseek", P), **options)
     recorder = Recorder(model)
@@ -47,9 +55,7 @@ def test_a_prefix_from_host_then_from_disk_gives_the_cold_outputs(pair_name, req
     model = request.getfixturevalue(pair_name).ours
     prompt = prompt_ids(45, seed=31)  # 5 reusable blocks of 8 tokens; V3.2: a 40-token hit > index_topk
     store = open_store(tmp_path)
-    producer, _, connector = engine_over(model, store)
-    producer.run([Request(prompt, NEW)])
-    connector.flush()
+    producer, connector = saved_by_a_producer(model, store, prompt)
     assert store.stats().stored_blocks >= 5
 
     consumer, recorder, _ = engine_over(model, store)
@@ -74,9 +80,7 @@ def test_a_corrupt_block_on_disk_is_recomputed_not_reused(v3, tmp_path):
     model = v3.ours
     prompt = prompt_ids(45, seed=32)
     store = open_store(tmp_path, host=False)
-    producer, _, connector = engine_over(model, store)
-    producer.run([Request(prompt, NEW)])
-    connector.flush()
+    producer, connector = saved_by_a_producer(model, store, prompt)
     disk = store.tiers[0]
     key = connector.ns_id + namespace_hashes(producer.namespace, prompt)[2]
     entry = disk._index[key]
@@ -101,9 +105,7 @@ def test_a_load_hung_on_disk_is_recomputed_at_its_deadline_not_waited_for(v3, tm
     model = v3.ours
     prompt = prompt_ids(45, seed=33)
     store = open_store(tmp_path, host=False)
-    producer, _, connector = engine_over(model, store)
-    producer.run([Request(prompt, NEW)])
-    connector.flush()
+    producer, connector = saved_by_a_producer(model, store, prompt)
     disk, unstick, read = store.tiers[0], threading.Event(), store.tiers[0].read
     disk.read = lambda *args, **kwargs: unstick.wait(30) and read(*args, **kwargs)
     consumer, recorder, connector = engine_over(model, store, load_timeout_s=0.5)
@@ -130,9 +132,7 @@ def test_the_engine_serves_while_the_stores_lock_is_held_by_a_thread_stuck_in_io
     model = v3.ours
     prompt = prompt_ids(45, seed=34)
     store = open_store(tmp_path)
-    producer, _, connector = engine_over(model, store)
-    producer.run([Request(prompt, NEW)])
-    connector.flush()
+    producer, connector = saved_by_a_producer(model, store, prompt)
     consumer, recorder, connector = engine_over(model, store, lookup_timeout_s=0.3)
     unstick = hold_store_lock(store, 60)
     started = time.monotonic()
