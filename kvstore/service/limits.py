@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Iterator
 
-from kvstore.errors import InvalidRequest, KVStoreError, NotPermitted
+from kvstore.errors import InvalidRequest, KVStoreError, NotPermitted, UnknownLease
 
 MESSAGE_OVERHEAD_BYTES = 1 << 10  # room for a chunk's index, offset and framing
 
@@ -139,11 +139,21 @@ class ClientLeases:
         self._deadlines: list[tuple[float, int]] = []  # heap of (deadline, lease); stale once dropped
 
     def check_owner(self, client: str, lease_id: int) -> None:
-        """Raise ``NotPermitted`` if another client holds ``lease_id`` (unknown ids pass: the store
-        answers for them)."""
+        """Raise ``NotPermitted`` if another client holds ``lease_id``, ``UnknownLease`` if none does.
+
+        Every lease the service grants is recorded here as soon as the store grants it, so an id
+        no client holds was never issued, has ended or expired, or is being granted this instant
+        to a caller that does not know it yet: the store must not be asked to end it."""
+        if self.held_by(client, lease_id) is None:
+            raise UnknownLease(f"lease {lease_id} is unknown, ended or expired")
+
+    def held_by(self, client: str, lease_id: int) -> int | None:
+        """``lease_id`` if ``client`` holds it; None if no client does (a Get naming it then reads
+        unpinned, as if it named none); ``NotPermitted`` if another client holds it."""
         owner = self._owner.get(lease_id)
         if owner is not None and owner != client:
             raise NotPermitted(f"lease {lease_id} belongs to another client; only its holder may end it")
+        return None if owner is None else lease_id
 
     def check(self, client: str) -> None:
         """Raise ``LimitExceeded`` if ``client`` may not take another lease now."""

@@ -62,11 +62,20 @@ def _load_group(store: TieredStore, ns_id: bytes, block_bytes: int, hashes: list
     return store.load(ns_id, hashes, dsts, lease_id), dsts
 
 
-def _end_lease(store: TieredStore, lease_id: int) -> None:
+def _release_quietly(store: TieredStore, lease_id: int) -> None:
     try:
         store.release(lease_id)
     except UnknownLease:  # expired meanwhile: the blocks were served unpinned, and each verified
         pass
+
+
+def _put_then(store: TieredStore, ns_id: bytes, hashes: list[bytes], payloads: list, parent: bytes | None, then):
+    """``store.put``, then ``then(payloads)`` (if given) once the store no longer reads them."""
+    try:
+        return store.put(ns_id, hashes, payloads, parent)
+    finally:
+        if then is not None:
+            then(payloads)
 
 
 def status_code(exc: KVStoreError) -> grpc.StatusCode:
@@ -165,7 +174,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             self._leases.check(client)
         hashes = list(request.block_hashes)
         started = time.perf_counter()
-        result = await asyncio.to_thread(self._store.lookup, request.namespace_id, hashes, ttl_s)
+        result = await self._leasing(self._store.lookup, request.namespace_id, hashes, ttl_s)
         self.metrics.lookup(request.namespace_id, hashes, result.tiers, time.perf_counter() - started)
         if result.lease_id is not None:
             self._leases.add(client, result.lease_id, ttl_s)
@@ -174,23 +183,26 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     @translate_errors
     async def Get(self, request, context):
         hashes, client = list(request.block_hashes), client_of(context)
-        if request.HasField("lease_id"):
-            self._leases.check_owner(client, request.lease_id)
-        self._limits.check_blocks("max_transfer_blocks", len(hashes))
-        with self._transfers.hold(client):
-            spec = self._store.spec(request.namespace_id)
-            check_block_bytes(request.block_bytes or spec.block_bytes, spec.block_bytes, "destination buffer",
-                              len(hashes))
+        lease_id = self._leases.held_by(client, request.lease_id) if request.HasField("lease_id") else None
+        with contextlib.ExitStack() as transfer:
+            try:
+                self._limits.check_blocks("max_transfer_blocks", len(hashes))
+                transfer.enter_context(self._transfers.hold(client))
+                spec = self._store.spec(request.namespace_id)
+                check_block_bytes(request.block_bytes or spec.block_bytes, spec.block_bytes, "destination buffer",
+                                  len(hashes))
+            except KVStoreError:  # refused: the lease ends all the same, as the call promises
+                await self._end_lease(lease_id)
+                raise
             messages = (self._get_as_loaded if request.stream_as_loaded else self._get_whole)(
-                request, hashes, spec.block_bytes)
+                request, hashes, spec.block_bytes, lease_id)
             async with contextlib.aclosing(messages):  # its lease ends now, also when the client went away
                 async for message in messages:
                     await self._with_client(context.write(message), "took no Get message")
 
-    async def _get_whole(self, request, hashes: list[bytes], block_bytes: int):
+    async def _get_whole(self, request, hashes: list[bytes], block_bytes: int, lease_id: int | None):
         """Get's messages when every block is loaded before the first is sent (one store call)."""
         dsts = [np.empty(block_bytes, np.uint8) for _ in hashes]  # [block_bytes] uint8 each
-        lease_id = wire.optional(request, "lease_id")
         if lease_id is not None:
             self._lease_ended(lease_id)  # the load ends it in the store
         started = time.perf_counter()
@@ -202,11 +214,11 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         for index, offset, data in iter_chunks(dsts[: result.loaded_blocks], chunk_bytes):
             yield encode_chunk(index, offset, data)  # a serialized GetResponse (see add_to_server)
 
-    async def _get_as_loaded(self, request, hashes: list[bytes], block_bytes: int):
+    async def _get_as_loaded(self, request, hashes: list[bytes], block_bytes: int, lease_id: int | None):
         """Get's messages as the groups load (``_loaded_groups``): a header per group, then its chunks."""
         chunk_bytes = self._limits.chunk_bytes(request.chunk_bytes)
         started, tiers, first_index = time.perf_counter(), [], 0
-        groups = self._loaded_groups(request.namespace_id, hashes, block_bytes, wire.optional(request, "lease_id"))
+        groups = self._loaded_groups(request.namespace_id, hashes, block_bytes, lease_id)
         try:
             async with contextlib.aclosing(groups):
                 async for result, dsts in groups:
@@ -253,9 +265,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         finally:
             if pending is not None:  # the client went away mid-stream: let the load finish, unread
                 pending.add_done_callback(lambda f: f.cancelled() or f.exception())
-            if lease_id is not None:
-                self._lease_ended(lease_id)
-                await asyncio.to_thread(_end_lease, self._store, lease_id)
+            await self._end_lease(lease_id)
 
     @translate_errors
     async def GetSlots(self, request, context):
@@ -263,8 +273,8 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         client = client_of(context)
         self._leases.check(client)
         started, leased_after = time.perf_counter(), time.monotonic()
-        grant = await asyncio.to_thread(shm.leased_slots, self._store, request.namespace_id,
-                                        list(request.block_hashes), request.lease_ttl_s)
+        grant = await self._leasing(shm.leased_slots, self._store, request.namespace_id,
+                                    list(request.block_hashes), request.lease_ttl_s)
         if grant.lease_id is not None:
             self._leases.add(client, grant.lease_id, request.lease_ttl_s)
         if grant.slots:  # counted at Release, as many as the client copied
@@ -311,11 +321,8 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         started = time.perf_counter()
         reservation, payloads = await asyncio.to_thread(staging.take, request.reservation_id,
                                                         wire.commit_checksums(request), client_of(context))
-        try:
-            return await self._put(reservation.ns_id, list(reservation.block_hashes), payloads, reservation.parent,
-                                   started)
-        finally:
-            staging.recycle(payloads)  # the store copied them
+        return await self._put(reservation.ns_id, list(reservation.block_hashes), payloads, reservation.parent,
+                               started, then=staging.recycle)
 
     async def _granted(self, grant: shm.SlotGrant, lease_ends_by: float) -> shm.SlotGrant:
         """``grant`` with a data-plane grant of its slots that ends before its lease does
@@ -324,8 +331,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             token = self._data_plane.grant(grant.lease_id, [(s.offset, s.nbytes) for s in grant.slots],
                                            deadline=lease_ends_by - GRANT_MARGIN_S)
         except BaseException:
-            self._lease_ended(grant.lease_id)
-            await asyncio.to_thread(_end_lease, self._store, grant.lease_id)
+            await self._end_lease(grant.lease_id)
             raise
         return dataclasses.replace(grant, data_grant=token, data_port=self._data_plane.port) if token else grant
 
@@ -350,9 +356,33 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             self._data_plane.revoke(lease_id)
         return self._granted_slots.pop(lease_id)
 
+    async def _end_lease(self, lease_id: int | None) -> None:
+        """End ``lease_id`` (if any) now: forgotten here, then released in the store."""
+        if lease_id is not None:
+            self._lease_ended(lease_id)
+            await asyncio.to_thread(_release_quietly, self._store, lease_id)
+
+    async def _leasing(self, take, *args):
+        """``take(*args)`` on a worker thread: a store call whose result may carry a ``lease_id``.
+        If this call is cancelled meanwhile (its client went away, its deadline passed), that
+        lease is ended as soon as ``take`` returns: no one else knows of it to release it."""
+        taking = asyncio.ensure_future(asyncio.to_thread(take, *args))
+        try:
+            return await asyncio.shield(taking)
+        except asyncio.CancelledError:
+            taking.add_done_callback(self._end_orphaned_lease)
+            raise
+
+    def _end_orphaned_lease(self, taking: asyncio.Future) -> None:
+        if taking.cancelled() or taking.exception() is not None or taking.result().lease_id is None:
+            return
+        taking.get_loop().run_in_executor(None, _release_quietly, self._store, taking.result().lease_id)
+
     async def _put(self, ns_id: bytes, hashes: list[bytes], payloads: list, parent: bytes | None,
-                   started: float) -> pb.PutResponse:
-        result = await asyncio.to_thread(self._store.put, ns_id, hashes, payloads, parent)
+                   started: float, then=None) -> pb.PutResponse:
+        """Store ``payloads``; ``then(payloads)`` runs on the same worker thread once the store is done
+        with them, also when this call is cancelled meanwhile (the thread is not)."""
+        result = await asyncio.to_thread(_put_then, self._store, ns_id, hashes, payloads, parent, then)
         if self._durable_puts:
             await asyncio.to_thread(self._store.flush)
         nbytes = sum(p.nbytes for p in payloads)

@@ -73,7 +73,8 @@ class StagingArea:
         self._arena = np.frombuffer(self._segment.mmap, np.uint8)  # [capacity] bytes
         self._reservations: dict[int, Reservation] = {}
         self._held: collections.Counter[str] = collections.Counter()  # owner -> reservations now
-        self._spare: dict[int, list[np.ndarray]] = {}  # recycled private copies by size: no page faults
+        self._spare: dict[int, list[np.ndarray]] = {}  # recycled private copies by size, least recent first
+        self._spare_bytes = 0  # held in _spare: at most the area's capacity (no page faults on a next take)
         self._lock = threading.Lock()
         self._closed = False
         self.lapsed = 0  # reservations dropped by TTL, never committed
@@ -156,16 +157,34 @@ class StagingArea:
         return reservation, copies
 
     def recycle(self, copies: list[np.ndarray]) -> None:
-        """Give back the copies ``take`` returned once they are no longer used (optional: a faster next take)."""
+        """Give back the copies ``take`` returned once they are no longer read (optional: a faster
+        next take). At most the area's capacity is kept, of the sizes recycled most recently."""
         with self._lock:
             for copy in copies:
-                spare = self._spare.setdefault(copy.nbytes, [])
-                if len(spare) < 64:
-                    spare.append(copy)
+                if copy.nbytes > self.capacity_bytes:
+                    continue
+                while self._spare_bytes + copy.nbytes > self.capacity_bytes:
+                    self._take_spare(next(iter(self._spare)))  # of the size recycled least recently
+                spare = self._spare.pop(copy.nbytes, [])
+                spare.append(copy)
+                self._spare[copy.nbytes] = spare  # now the size recycled most recently
+                self._spare_bytes += copy.nbytes
+
+    def _take_spare(self, nbytes: int) -> np.ndarray | None:
+        """A held copy of ``nbytes``, no longer held, or None. Caller holds the lock."""
+        spare = self._spare.get(nbytes)
+        if not spare:
+            return None
+        copy = spare.pop()
+        if not spare:
+            del self._spare[nbytes]
+        self._spare_bytes -= nbytes
+        return copy
 
     def _copy_out(self, offset: int, nbytes: int) -> np.ndarray:
-        spare = self._spare.get(nbytes)
-        copy = spare.pop() if spare else aligned_empty(nbytes)  # [nbytes] uint8, page-aligned for the disk tier
+        copy = self._take_spare(nbytes)
+        if copy is None:
+            copy = aligned_empty(nbytes)  # [nbytes] uint8, page-aligned for the disk tier
         np.copyto(copy, self._arena[offset : offset + nbytes])
         return copy
 

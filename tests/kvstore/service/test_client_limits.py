@@ -16,6 +16,7 @@ from kvstore.service.limits import ClientLeases, LimitExceeded, ServiceLimits, T
 from kvstore.service.v1 import kvstore_pb2 as pb
 from kvstore.service.v1.kvstore_pb2_grpc import KVStoreStub
 from tests.conftest import payloads_for
+from tests.kvstore.store_helpers import hold_store_lock, until
 
 
 def test_lease_limit_is_per_client_and_frees_on_release(store, start_server, namespace, spec, chain):
@@ -161,3 +162,36 @@ def test_namespaces_are_capped_and_registering_one_again_is_free(store, start_se
         assert "max_namespaces=2" in info.value.details()
         assert client.register_namespace(namespace) == first
     assert len(store.namespaces()) == 2
+
+
+def test_a_get_refused_before_it_streams_still_ends_its_lease(store, server, namespace, spec, chain):
+    with KVStoreClient(server.target, timeout_s=10) as client, grpc.insecure_channel(server.target) as channel:
+        ns_id = client.register_namespace(namespace)
+        client.put(ns_id, chain[:2], payloads_for(spec, chain[:2]))
+        stub = KVStoreStub(channel)
+        lease_id = stub.Lookup(pb.LookupRequest(namespace_id=ns_id, block_hashes=chain[:2], lease_ttl_s=600)).lease_id
+        with pytest.raises(grpc.RpcError) as info:  # a wrong destination size: refused before anything loads
+            list(stub.Get(pb.GetRequest(namespace_id=ns_id, block_hashes=chain[:2], lease_id=lease_id,
+                                                        block_bytes=spec.block_bytes + 1)))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert not store.lease_alive(lease_id) and client.stats().leases_active == 0, "ended as the call promises"
+
+
+@pytest.mark.parametrize("rpc", ["Lookup", "GetSlots"])
+def test_a_lease_taken_for_a_call_its_client_gave_up_on_is_ended(store, server, namespace, spec, chain, rpc):
+    """The store's lock held (disk I/O under it) past the client's deadline: the lease the store
+    grants afterwards belongs to no one who could release it, so it ends at once, not at its TTL."""
+    with KVStoreClient(server.target, timeout_s=10) as client, grpc.insecure_channel(server.target) as channel:
+        ns_id = client.register_namespace(namespace)
+        client.put(ns_id, chain[:2], payloads_for(spec, chain[:2]))
+        request = getattr(pb, f"{rpc}Request")(namespace_id=ns_id, block_hashes=chain[:2], lease_ttl_s=600)
+        unstick = hold_store_lock(store)
+        try:
+            with pytest.raises(grpc.RpcError) as info:
+                getattr(KVStoreStub(channel), rpc)(request, timeout=0.3)
+            assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            time.sleep(0.2)  # the service has seen the cancellation; the store call still waits for the lock
+        finally:
+            unstick.set()
+        assert until(lambda: store.stats().hit_blocks == 2), "the store call went on: a hit, so a lease"
+        assert until(lambda: store.stats().leases_active == 0), "and that lease was ended"

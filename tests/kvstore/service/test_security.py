@@ -133,3 +133,21 @@ def test_only_the_client_that_took_a_lease_may_end_it(server, namespace, spec, c
         assert holder.stats().leases_active == 1, "the lease survived both"
         holder.release(lease)
         assert holder.stats().leases_active == 0
+
+
+def test_a_lease_no_client_holds_yet_is_not_ended_by_a_release_or_a_get_naming_it(store, server, namespace, spec,
+                                                                                   chain):
+    """Lease ids are sequential, and a lease the store has just granted is recorded for its client
+    only once the store call returns: a guessed id in that moment must not end it."""
+    with KVStoreClient(server.target, timeout_s=10) as guesser:
+        ns_id = guesser.register_namespace(namespace)
+        payloads = payloads_for(spec, chain[:2])
+        guesser.put(ns_id, chain[:2], payloads)
+        lease = store.lookup(ns_id, chain[:2], lease_ttl_s=30).lease_id  # granted, not yet recorded by the service
+        with pytest.raises(grpc.RpcError) as info:
+            guesser.release(lease)
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND and "unknown, ended or expired" in info.value.details()
+        dsts = [np.zeros(spec.block_bytes, np.uint8) for _ in range(2)]
+        assert guesser.load(ns_id, chain[:2], dsts, lease_id=lease).complete, "read unpinned, as if it named none"
+        assert all(np.array_equal(d, p) for d, p in zip(dsts, payloads))
+        assert store.lease_alive(lease), "the lease survived both"

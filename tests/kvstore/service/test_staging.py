@@ -12,6 +12,7 @@ import pytest
 
 from kvstore.checksum import layer_checksums
 from kvstore.errors import InvalidRequest, UnknownLease
+from kvstore.keys import namespace_hashes
 from kvstore.results import PutResult
 from kvstore.service.client import KVStoreClient
 from kvstore.service.limits import ServiceLimits
@@ -19,6 +20,7 @@ from kvstore.service.staging import StagingArea, StagingFull
 from kvstore.service.v1 import kvstore_pb2 as pb
 from kvstore.service.v1.kvstore_pb2_grpc import KVStoreStub
 from tests.conftest import payloads_for
+from tests.kvstore.store_helpers import hold_store_lock, until
 from tests.kvstore.service.test_service import rpc_error
 
 Code = grpc.StatusCode
@@ -215,3 +217,45 @@ def test_a_sidecar_without_staging_answers_failed_precondition_and_put_shm_falls
     payloads = payloads_for(spec, chain[:3])
     assert client.put_shm(ns_id, chain[:3], payloads) == PutResult(3, 0, 0)
     assert client.lookup(ns_id, chain[:3]).hit_blocks == 3
+
+
+def test_a_commit_given_up_on_while_its_put_waits_stores_its_own_bytes_not_the_next_commits(
+        store, staged_stub, namespace, spec, chain):
+    """The client's deadline passes while the store's lock holds up the put: the put goes on, from
+    copies the next commit must not be handed (it would store its bytes under these hashes)."""
+    stub, ns_id = staged_stub, register(staged_stub, namespace)
+    other = namespace_hashes(namespace, np.arange(1000, 1004))
+    (first,), (second,) = payloads_for(spec, chain[:1]), payloads_for(spec, other)
+    commits = []
+    for hashes, payload in ((chain[:1], first), (other, second)):
+        reserved = reserve(stub, ns_id, hashes, spec, "tenant-a")
+        commits.append(pb.CommitSlotsRequest(reservation_id=reserved.reservation_id,
+                                             blocks=write_slots(reserved, [payload])))
+    unstick = hold_store_lock(store)
+    try:
+        error = rpc_error(stub.CommitSlots, commits[0], metadata=as_client("tenant-a"), timeout=0.3)
+        assert error.code() == Code.DEADLINE_EXCEEDED
+        time.sleep(0.2)  # the server has seen the cancellation; its put still waits for the lock
+        answer = stub.CommitSlots.future(commits[1], metadata=as_client("tenant-a"), timeout=30)
+        time.sleep(0.2)  # the second commit has taken its copies and waits for the lock too
+    finally:
+        unstick.set()
+    assert answer.result().stored == 1
+    assert until(lambda: store.lookup(ns_id, chain[:1]).hit_blocks == 1), "the first put went on and stored"
+    loaded = [np.zeros(spec.block_bytes, np.uint8)]
+    assert store.load(ns_id, chain[:1], loaded).complete
+    assert np.array_equal(loaded[0], first), "the first block holds its own bytes"
+
+
+def test_spare_copies_stay_within_the_area_and_keep_the_sizes_recycled_last(tmp_path):
+    area = StagingArea(256 << 10, shm_dir=str(tmp_path), page_bytes=64 << 10)  # keeps 256 KiB of spares
+    try:
+        for nbytes in (16 << 10, 32 << 10, 48 << 10):  # as namespaces of three block sizes commit
+            area.recycle([np.zeros(nbytes, np.uint8) for _ in range(4)])
+        assert area._spare_bytes == sum(c.nbytes for spare in area._spare.values() for c in spare) <= 256 << 10
+        assert sorted(area._spare) == [16 << 10, 32 << 10, 48 << 10][-len(area._spare):], "least recent size first"
+        assert len(area._spare[48 << 10]) == 4 and len(area._spare[32 << 10]) == 2 and 16 << 10 not in area._spare
+        area.recycle([np.zeros(1 << 20, np.uint8)])  # larger than the area: never kept
+        assert 1 << 20 not in area._spare and area._spare_bytes == 256 << 10
+    finally:
+        area.close()
