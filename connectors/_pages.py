@@ -180,6 +180,11 @@ class BackgroundLoad(LoadHandle):
                     self._cond.notify_all()
 
     def wait_layer(self, layer: int) -> None:
+        """A layer outside ``[0, num_layers)`` raises ``LoadFailed`` at once: the load carries no
+        such layer, so those pages would be read unfilled (a connector built for another model)."""
+        if not 0 <= layer < self._num_layers:
+            raise LoadFailed(f"the load for {self._name} carries layers [0, {self._num_layers}), "
+                             f"the engine asked for layer {layer}")
         if not self._wait_until(lambda: self._failed is not None or self._done_layers > layer):
             self._abandon()
         with self._cond:

@@ -27,6 +27,8 @@ from typing import Protocol, Sequence
 
 import torch
 
+from kvstore.layout import BlockSpec
+
 
 class PageBytes(Protocol):
     """The device tier as the connector sees it: one block of one layer = one byte range."""
@@ -74,11 +76,19 @@ class LoadFailed(RuntimeError):
 
 
 class KVConnector(ABC):
+    @property
+    @abstractmethod
+    def layout(self) -> BlockSpec:
+        """The geometry of the blocks this connector moves (layers, tokens per block, bytes per
+        layer), fixed at construction. An engine refuses a connector whose layout differs from its
+        page pool's: a load would fill too few layers or the wrong bytes of each page."""
+
     @abstractmethod
     def lookup(self, request_id: str, block_hashes: Sequence[bytes]) -> ConnectorHit:
         """Longest servable prefix of ``block_hashes``, counted from ``block_hashes[0]`` (an engine
         passes the hashes after its own device hit), leased for this request. Side-effect free
-        otherwise; a second call replaces the request's previous lease."""
+        otherwise; a second call replaces the request's previous lease. A store that cannot answer
+        (down, closed, busy) is a 0-block hit, never an exception."""
 
     @abstractmethod
     def start_load(self, hit: ConnectorHit, block_hashes: Sequence[bytes], pages: Sequence[int],

@@ -96,6 +96,10 @@ class SidecarConnector(KVConnector):
         except Exception as exc:
             self.session.failed("register the namespace", exc)
 
+    @property
+    def layout(self) -> BlockSpec:
+        return self.spec
+
     # ---- lookup side -------------------------------------------------------------------
 
     def lookup(self, request_id: str, block_hashes: Sequence[bytes]) -> ConnectorHit:

@@ -32,6 +32,7 @@ from connectors._pages import (DEFAULT_LOAD_TIMEOUT_S, DEFAULT_LOOKUP_TIMEOUT_S,
 from connectors.base import ConnectorHit, KVConnector, LoadFailed, LoadHandle, PageBytes
 from kvstore.errors import UnknownLease
 from kvstore.keys import Namespace
+from kvstore.layout import BlockSpec
 from kvstore.store import TieredStore
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,10 @@ class StoreConnector(KVConnector):
         # deadline, doubling per failed probe up to 5 minutes or 20 deadlines, the longer of each).
         deadline = self.load_timeout_s or 0.0
         self._lower_tiers = Backoff(initial_s=max(5.0, 2 * deadline), max_s=max(300.0, 20 * deadline))
+
+    @property
+    def layout(self) -> BlockSpec:
+        return self.spec
 
     # ---- lookup side -------------------------------------------------------------------
 

@@ -33,6 +33,7 @@ from connectors.base import ConnectorHit, KVConnector, LoadFailed, LoadHandle
 from engine_adapter.paged_cache import PagedSequenceCache, PagePool
 from engine_adapter.sequence import Sequence
 from kvstore.keys import Namespace, namespace_hashes
+from kvstore.layout import BlockSpec
 
 
 class PendingLoad(NamedTuple):
@@ -41,11 +42,30 @@ class PendingLoad(NamedTuple):
     blocks: int
 
 
+def check_connector_layout(layout: BlockSpec, pool: PagePool, namespace: Namespace) -> None:
+    """Raise ``ValueError`` unless a connector moving blocks of ``layout`` fills ``pool``'s pages
+    exactly: the same layers, tokens per block and components (so bytes per layer)."""
+    ours = BlockSpec.of(namespace)
+    assert (ours.num_layers, ours.layer_bytes) == (pool.num_layers, pool.layer_bytes), (
+        f"the engine's namespace ({_describe(ours)}) does not describe its own pool: engine bug")
+    if layout != ours:
+        raise ValueError(f"the connector moves blocks of {_describe(layout)}; this engine's page pool holds "
+                         f"{_describe(ours)}: build the connector over the engine's namespace, "
+                         f"engine_adapter.namespace.namespace_for(model.config, model_name, pool.page_size)")
+
+
+def _describe(spec: BlockSpec) -> str:
+    return (f"{spec.num_layers} layers x {spec.block_size} tokens ({'+'.join(spec.components)}, "
+            f"{spec.layer_bytes} bytes a layer)")
+
+
 class BlockManager:
     def __init__(self, pool: PagePool, namespace: Namespace, dtype: torch.dtype,
                  connector: KVConnector | None = None) -> None:
         if namespace.block_size != pool.page_size:
             raise ValueError(f"namespace block_size {namespace.block_size} != pool page_size {pool.page_size}")
+        if connector is not None:
+            check_connector_layout(connector.layout, pool, namespace)
         self.pool, self.namespace, self.dtype, self.connector = pool, namespace, dtype, connector
         self.block_size = pool.page_size
         self._saves_uncopied = False

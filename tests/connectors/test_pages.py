@@ -119,6 +119,19 @@ def test_a_failing_body_fails_the_layers_not_yet_done():
     assert handle.wait() == 0
 
 
+def test_a_layer_the_load_does_not_carry_fails_at_once_never_counts_as_loaded():
+    """A connector built for a model of fewer layers: the engine's extra layers were never filled."""
+    def body(layer_done, fence):
+        layer_done(LAYERS)
+
+    handle = BackgroundLoad("r", 2, LAYERS, body, deadline_s=0.5)
+    handle.wait_layer(LAYERS - 1)
+    started = time.monotonic()
+    with pytest.raises(LoadFailed, match=r"carries layers \[0, 3\), the engine asked for layer 3"):
+        handle.wait_layer(LAYERS)
+    assert time.monotonic() - started < 0.25, "refused at once, not at the deadline"
+
+
 def test_a_closed_fence_refuses_writes():
     fence = PageFence()
     with fence:

@@ -16,6 +16,8 @@ import torch
 
 from connectors.base import ConnectorHit, KVConnector, LoadFailed, LoadHandle
 from engine_adapter.cache import ContiguousCache
+from engine_adapter.namespace import namespace_for
+from kvstore.layout import BlockSpec
 
 VOCAB = 256
 
@@ -119,11 +121,16 @@ class DictHandle(LoadHandle):
             self.done.add(layer)
 
 
-class DictConnector(KVConnector):
-    """Blocks in a dict: hash -> [num_layers * layer_bytes] uint8 payload. Records every call."""
+def block_layout(model, block_size: int) -> BlockSpec:
+    """The layout of the blocks an engine over ``model`` with pages of ``block_size`` tokens holds."""
+    return BlockSpec.of(namespace_for(model.config, "deepseek", block_size))
 
-    def __init__(self, block_size: int) -> None:
-        self.block_size = block_size
+
+class DictConnector(KVConnector):
+    """Blocks of ``layout`` in a dict: hash -> [num_layers * layer_bytes] uint8 payload. Records every call."""
+
+    def __init__(self, layout: BlockSpec) -> None:
+        self._layout, self.block_size = layout, layout.block_size
         self.blocks: dict[bytes, torch.Tensor] = {}
         self.parents: dict[bytes, bytes | None] = {}
         self.leases: set[str] = set()
@@ -131,6 +138,10 @@ class DictConnector(KVConnector):
         self.waited: list[int] = []
         self.fail_at_layers: set[int] = set()
         self.flushes = 0
+
+    @property
+    def layout(self) -> BlockSpec:
+        return self._layout
 
     def lookup(self, request_id: str, block_hashes: Sequence[bytes]) -> ConnectorHit:
         self.lookups.append(list(block_hashes))

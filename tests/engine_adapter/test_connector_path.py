@@ -12,7 +12,7 @@ from engine_adapter.engine import Engine
 from engine_adapter.paged_cache import PagePool
 from engine_adapter.sequence import Request
 from kvstore.keys import namespace_hashes
-from tests.engine_adapter.engine_helpers import DictConnector, Recorder, prompt_ids
+from tests.engine_adapter.engine_helpers import DictConnector, Recorder, block_layout, prompt_ids
 from tests.engine_adapter.test_engine import NEW, P, assert_matches_cold
 
 
@@ -24,7 +24,7 @@ def engine_with(model, connector: DictConnector, num_pages: int = 32) -> tuple[E
 @pytest.mark.parametrize("pair_name", ["v3", "v32"])
 def test_saved_blocks_come_back_through_the_connector(pair_name, request):
     model = request.getfixturevalue(pair_name).ours
-    connector = DictConnector(P)
+    connector = DictConnector(block_layout(model, P))
     prompt = prompt_ids(45, seed=20)  # 5 full blocks in the prompt; V3.2: a 40-token hit > index_topk
     producer, _ = engine_with(model, connector)
     producer.run([Request(prompt, NEW)])
@@ -47,7 +47,7 @@ def test_saved_blocks_come_back_through_the_connector(pair_name, request):
 
 
 def test_the_connector_is_asked_only_beyond_the_device_hit(v3):
-    connector = DictConnector(P)
+    connector = DictConnector(block_layout(v3.ours, P))
     prompt = prompt_ids(41, seed=21)
     engine_with(v3.ours, connector)[0].run([Request(prompt, NEW)])
     engine, _ = engine_with(v3.ours, connector)
@@ -62,7 +62,7 @@ def test_the_connector_is_asked_only_beyond_the_device_hit(v3):
 
 
 def test_a_failed_load_is_recomputed(v3):
-    connector = DictConnector(P)
+    connector = DictConnector(block_layout(v3.ours, P))
     prompt = prompt_ids(30, seed=22)
     engine_with(v3.ours, connector)[0].run([Request(prompt, NEW)])
     connector.fail_at_layers = {1}
@@ -76,7 +76,7 @@ def test_a_failed_load_is_recomputed(v3):
 
 def test_evicted_pages_demote_to_the_connector_and_come_back(v3):
     """pool.on_evict wired to the connector: the device tier demotes instead of dropping."""
-    connector = DictConnector(P)
+    connector = DictConnector(block_layout(v3.ours, P))
     engine, _ = engine_with(v3.ours, connector, num_pages=6)
     engine.pool.on_evict = lambda h, page, parent: connector.demote(h, page, parent, engine.pool)
     first, other = prompt_ids(33, seed=23), prompt_ids(30, seed=24)

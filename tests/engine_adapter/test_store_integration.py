@@ -9,6 +9,7 @@ only the suffix and matches a cold run; a corrupt block on disk turns into recom
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 
@@ -177,6 +178,27 @@ def test_a_store_that_dropped_the_indexer_keys_is_a_miss_never_a_partial_hit(v32
     [out] = consumer.run([Request(prompt, NEW)])
     assert out.stats.connector_hit_tokens == 0 and out.stats.computed_prompt_tokens == 45
     assert_matches_cold(model, recorder, prompt, out.output_ids, computed_from=0)
+    store.close()
+
+
+@pytest.mark.parametrize("field, value, theirs", [
+    ("num_layers", 2, "2 layers x 8 tokens (mla_bf16, 9216 bytes a layer)"),  # would fill layers 0-1 only
+    ("block_size", 64, "3 layers x 64 tokens (mla_bf16, 73728 bytes a layer)"),
+    ("components", ("mla_bf16", "indexer_bf16"), "3 layers x 8 tokens (mla_bf16+indexer_bf16, 11264 bytes a layer)"),
+])
+def test_a_connector_over_another_block_layout_is_refused_when_the_engine_is_built(v3, tmp_path, field, value,
+                                                                                   theirs):
+    from dataclasses import replace
+
+    model = v3.ours
+    store = open_store(tmp_path)
+    connector = StoreConnector(store, replace(namespace_for(model.config, "deepseek", P), **{field: value}))
+    ours = "3 layers x 8 tokens (mla_bf16, 9216 bytes a layer)"
+    with pytest.raises(ValueError, match=re.escape(f"the connector moves blocks of {theirs}; this engine's page "
+                                                   f"pool holds {ours}: build the connector over the engine's "
+                                                   "namespace")):
+        Engine(model, PagePool(model.config, 32, page_size=P), connector=connector)
+    connector.close()
     store.close()
 
 
