@@ -107,13 +107,9 @@ class TieredStore(PlacementMixin, LeaseHolderMixin):
         if self._closed:
             raise StoreClosed("the store is closed")
         spec = BlockSpec.of(namespace)
-        for tier in self.tiers:
-            limit = tier.max_block_bytes()
-            if limit is not None and tier.footprint(spec.block_bytes) > limit:
-                raise InvalidRequest(
-                    f"a block of {namespace.model} is {spec.block_bytes} bytes; the {tier.name} tier "
-                    f"holds at most {limit} per block (raise its page size)"
-                )
+        for reason in filter(None, (tier.refusal(spec.block_bytes, spec.num_layers) for tier in self.tiers)):
+            raise InvalidRequest(f"a block of {namespace.model} is {spec.block_bytes} bytes in {spec.num_layers} "
+                                 f"layers; {reason}")
         with self._lock:
             self._namespaces[namespace.id] = (namespace, spec)
             self._directory.add_namespace(namespace.id)
@@ -211,10 +207,10 @@ class TieredStore(PlacementMixin, LeaseHolderMixin):
                 keys = self._readable_run(keys, lease_id)
                 self._leases.pin(keys)
                 lower = [[k for k in keys if (self._bits(k) & -self._bits(k)) == 1 << t] for t in range(len(self.tiers))]
-            for t, tier_keys in enumerate(lower):  # let tiers that can read ahead start now
-                if tier_keys:
-                    self.tiers[t].prefetch(tier_keys)
             try:
+                for t, tier_keys in enumerate(lower):  # let tiers that can read ahead start now
+                    if tier_keys:
+                        self.tiers[t].prefetch(tier_keys)
                 served = []
                 for key, view in zip(keys, views):
                     tier = self._load_one(key, view, 0, spec.num_layers)
@@ -332,6 +328,8 @@ class TieredStore(PlacementMixin, LeaseHolderMixin):
 
     def _put_one(self, key: bytes, view: np.ndarray, meta: BlockMeta) -> str:
         with self._lock:
+            if key in self._doomed:  # deleted, still leased by a reader: it can be stored once that lease ends
+                return "rejected"
             if self._bits(key) or key in self._inflight:
                 return "duplicate"
             self._inflight.add(key)
@@ -364,8 +362,9 @@ class TieredStore(PlacementMixin, LeaseHolderMixin):
             self._shadows.update(key, self._bits(key))
 
     def _bury_doomed(self, keys) -> None:
+        """Remove the deleted ``keys`` no lease pins and no put is still writing (it buries its own)."""
         for key in keys:
-            if key in self._doomed and not self._leases.is_pinned(key):
+            if key in self._doomed and not self._leases.is_pinned(key) and key not in self._inflight:
                 self._doomed.discard(key)
                 self._remove_everywhere(key)
 

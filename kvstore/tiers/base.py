@@ -79,6 +79,19 @@ class Tier(ABC):
         """Largest payload footprint one block may have here (None: no limit)."""
         return None
 
+    def max_layers(self) -> int | None:
+        """Most layers one block may have here (None: no limit)."""
+        return None
+
+    def refusal(self, block_bytes: int, num_layers: int) -> str | None:
+        """Why this tier cannot hold blocks of ``block_bytes`` in ``num_layers`` layers, or None."""
+        limit = self.max_block_bytes()
+        if limit is not None and self.footprint(block_bytes) > limit:
+            return f"the {self.name} tier holds at most {limit} bytes per block (raise its page size)"
+        if self.max_layers() is not None and num_layers > self.max_layers():
+            return f"the {self.name} tier holds at most {self.max_layers()} layers per block"
+        return None
+
     def eviction_helps(self, victim: bytes, nbytes: int) -> bool:
         """Whether evicting ``victim`` brings a payload of ``nbytes`` closer to fitting."""
         return True

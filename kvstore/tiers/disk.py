@@ -93,6 +93,7 @@ class DiskTier(DiskRecovery, Tier):
         self._counters = dict.fromkeys(
             ("bytes_read", "bytes_written", "checksum_failures", "io_errors", "recovered_lost_blocks",
              "recovered_truncated_bytes", "index_rebuilds"), 0)
+        self._counters_lock = threading.Lock()  # reads count without the tier's lock (held through write I/O)
         self._closed = False
         self._progress = progress
         self._writer: ThreadPoolExecutor | None = None
@@ -157,6 +158,9 @@ class DiskTier(DiskRecovery, Tier):
             snapshot = [(k, BlockMeta(e.nbytes, e.num_layers, (), e.parent)) for k, e in self._index.items()]
         return iter(snapshot)
 
+    def max_layers(self) -> int:
+        return MAX_LAYERS  # a record header has room for this many layer checksums
+
     def write(self, key: bytes, payload: np.ndarray, meta: BlockMeta) -> bool:
         assert len(key) == KEY_BYTES and payload.nbytes == meta.nbytes, "malformed write (store bug)"
         if not 0 < meta.num_layers <= MAX_LAYERS:
@@ -180,7 +184,7 @@ class DiskTier(DiskRecovery, Tier):
                 batch.put(TAIL_KEY, TAIL_VALUE.pack(segment.id, offset + size))
                 self._db.write(batch, write_opt=self._write_opt)
             except Exception as exc:  # OSError from the segment, rocksdict raises plain Exception
-                self._counters["io_errors"] += 1
+                self._count("io_errors", 1)
                 log.error("disk tier %s: write failed (%s); block not stored", self.path, exc)
                 truncate_quietly(segment.fd, offset)
                 return False
@@ -188,7 +192,7 @@ class DiskTier(DiskRecovery, Tier):
             self._seq += 1
             self._tail = offset + size
             segment.live_bytes += size
-            self._counters["bytes_written"] += meta.nbytes
+            self._count("bytes_written", meta.nbytes)
             return True
 
     def _write_record(self, segment: SegmentFile, offset: int, header: bytes, payload: np.ndarray, size: int) -> None:
@@ -257,7 +261,7 @@ class DiskTier(DiskRecovery, Tier):
                 complete = complete and os.preadv(segment.fd, [dst], start) == dst.nbytes
         except OSError as exc:
             self._runs.end(run)
-            self._counters["io_errors"] += 1
+            self._count("io_errors", 1)
             log.warning("disk tier %s: read of a block failed (%s); dropped", self.path, exc)
             self.remove(key)
             return False
@@ -276,14 +280,18 @@ class DiskTier(DiskRecovery, Tier):
         header = RecordHeader.decode(header_page) if header_page is not None else None
         if not (header and header.key == key and header.nbytes == entry.nbytes
                 and layers_match(data, header.checksums[first_layer : first_layer + count])):
-            self._counters["checksum_failures"] += 1
+            self._count("checksum_failures", 1)
             log.warning("disk tier %s: block failed verification; dropped", self.path)
             self.remove(key)
             return False
         if data is not dst:
             np.copyto(dst, data)  # verified bytes only ever reach the caller
-        self._counters["bytes_read"] += dst.nbytes
+        self._count("bytes_read", dst.nbytes)
         return True
+
+    def _count(self, counter: str, amount: int) -> None:
+        with self._counters_lock:
+            self._counters[counter] += amount
 
     def prefetch(self, keys: list[bytes]) -> None:
         """Start reading these records now, so the reads of a multi-block load overlap with
@@ -393,7 +401,8 @@ class DiskTier(DiskRecovery, Tier):
                 assert os.fstat(self._active.fd).st_size == self._tail, "active segment longer than its tail"
 
     def stats(self) -> TierStats:
-        counters = dict(self._counters)
+        with self._counters_lock:
+            counters = dict(self._counters)
         return TierStats(
             name=self.name,
             capacity_bytes=self.capacity_bytes,

@@ -13,7 +13,7 @@ import pytest
 
 from kvstore.errors import InvalidRequest, UnknownLease, UnknownNamespace
 from kvstore.keys import namespace_hashes
-from kvstore.tiers.segment import HEADER_BYTES
+from kvstore.tiers.segment import HEADER_BYTES, MAX_LAYERS
 from tests.conftest import payloads_for, tiny_namespace
 
 SLOTS4 = dict(host_bytes=64 << 10, page_bytes=16 << 10)
@@ -118,6 +118,21 @@ def test_a_failed_load_still_ends_its_lease(store, ns_id, spec, chain):
         store.release(hit.lease_id)
 
 
+def test_a_load_whose_read_ahead_fails_to_start_leaves_no_block_pinned(make_store, namespace, spec, chain):
+    store = make_store(host_bytes=None)
+    ns_id = store.register_namespace(namespace)
+    store.put(ns_id, chain[:3], payloads_for(spec, chain[:3]))
+
+    def fails(keys):
+        raise MemoryError("no room for read-ahead buffers")
+
+    store.tiers[0].prefetch = fails
+    with pytest.raises(MemoryError):
+        store.load(ns_id, chain[:3], [np.zeros(spec.block_bytes, np.uint8) for _ in range(3)])
+    assert not any(store._leases.is_pinned(ns_id + h) for h in chain[:3]), "pinned blocks could never be evicted"
+    store.check_integrity()
+
+
 def test_duplicate_put_keeps_the_first_bytes(store, ns_id, spec, chain):
     payloads = payloads_for(spec, chain[:3])
     assert store.put(ns_id, chain[:2], payloads[:2]).stored == 2
@@ -157,6 +172,18 @@ def test_a_block_larger_than_a_host_page_is_refused_at_register(make_store):
     with pytest.raises(UnknownNamespace):
         store.spec(big.id)
     assert store.stats().namespaces == 0
+
+
+def test_a_namespace_with_more_layers_than_a_disk_record_holds_is_refused_at_register(make_store):
+    """Refused later, at the first demotion, its block could not leave the host tier, and every put
+    needing room there (any tenant's) failed."""
+    store = make_store(host_bytes=8 << 20, page_bytes=4 << 20, write_policy="on_eviction")
+    deep = tiny_namespace(num_layers=MAX_LAYERS + 1)
+    with pytest.raises(InvalidRequest, match=f"at most {MAX_LAYERS} layers per block"):
+        store.register_namespace(deep)
+    assert store.stats().namespaces == 0
+    assert store.register_namespace(tiny_namespace(num_layers=MAX_LAYERS)) is not None
+    assert make_store(host_bytes=8 << 20, page_bytes=4 << 20, disk_bytes=None).register_namespace(deep) == deep.id
 
 
 # ---- corruption ----------------------------------------------------------------------------

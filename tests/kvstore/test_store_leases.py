@@ -15,6 +15,7 @@ import pytest
 from kvstore.errors import UnknownLease
 from kvstore.keys import namespace_hashes
 from kvstore.layout import BlockSpec
+from kvstore.results import PutResult
 from tests.conftest import payloads_for, tiny_namespace
 from tests.kvstore.store_helpers import SLOTS4, hold_store_lock, host_resident, load_all, put_chain, tokens
 
@@ -284,9 +285,12 @@ def test_a_lease_past_its_ttl_cannot_be_released_even_before_a_sweep(make_store,
     assert store.stats().lease_expiries == 1
 
 
-def test_delete_namespace_during_a_put_removes_the_blocks_being_written(make_store, namespace, spec, chain):
+@pytest.mark.parametrize("lookup_meanwhile", [False, True], ids=["alone", "lookup-meanwhile"])
+def test_delete_namespace_during_a_put_removes_the_blocks_being_written(make_store, namespace, spec, chain,
+                                                                       lookup_meanwhile):
     """A put whose tier write is under way when the namespace is deleted must not leave its
-    blocks behind as hits once it finishes."""
+    blocks behind as hits once it finishes, also when other calls (a lookup ends expired leases
+    and removes the deleted blocks they pinned) run in between."""
     store = make_store(background_writes=False)
     ns_id = store.register_namespace(namespace)
     host, writing, finish = store.tiers[0], threading.Event(), threading.Event()
@@ -303,6 +307,8 @@ def test_delete_namespace_during_a_put_removes_the_blocks_being_written(make_sto
     try:
         assert writing.wait(10)
         assert store.delete_namespace(ns_id) == 0  # nothing was published yet
+        if lookup_meanwhile:
+            assert store.lookup(ns_id, chain[:1]).hit_blocks == 0
     finally:
         finish.set()
         put.join(10)
@@ -311,6 +317,17 @@ def test_delete_namespace_during_a_put_removes_the_blocks_being_written(make_sto
     assert not host.contains(ns_id + chain[0])
     put_chain(store, ns_id, spec, chain[:1])  # the namespace itself stays usable
     assert store.lookup(ns_id, chain[:1]).hit_blocks == 1
+    store.check_integrity()
+
+
+def test_a_deleted_but_leased_block_put_again_is_rejected_until_its_lease_ends(make_store, namespace, spec, chain):
+    """Not a duplicate: the copy there goes with its lease, so the caller must be told to retry."""
+    store, ns_id, _, hit, _ = delete_under_a_lease(make_store, namespace, spec, chain[:2], chain[:2])
+    assert put_chain(store, ns_id, spec, chain[:2])[1] == PutResult(0, 0, 2)
+    store.release(hit.lease_id)
+    assert store.lookup(ns_id, chain[:2]).hit_blocks == 0
+    assert put_chain(store, ns_id, spec, chain[:2])[1] == PutResult(2, 0, 0)
+    assert store.lookup(ns_id, chain[:2]).hit_blocks == 2
     store.check_integrity()
 
 
