@@ -138,8 +138,7 @@ async def serve(config: ServeConfig, store_config: StoreConfig, ready: Callable[
     if config.http_address != HTTP_OFF:
         security.check_exposure("--http-address", config.http_address, token, tls is not None,
                                 config.allow_plaintext)
-    if config.durable_puts and store_config.disk is None:
-        raise InvalidRequest("durable puts need a disk tier: give --disk-capacity, or drop --durable-puts")
+    check_durable_puts(config, store_config)
     shm_dir = store_config.host.shm_dir if store_config.host else None
     for path in remove_stale_segments(shm_dir):  # left by a sidecar killed before it could clean up
         log.warning("removed the stale shared-memory segment %s of a dead sidecar", path)
@@ -191,6 +190,19 @@ async def serve(config: ServeConfig, store_config: StoreConfig, ready: Callable[
                 _check_integrity(store)
         finally:
             store.close()
+
+
+def check_durable_puts(config: ServeConfig, store_config: StoreConfig) -> None:
+    """Refuse ``--durable-puts`` where a put does not reach the disk tier before it is answered:
+    without one, or under ``on_eviction`` (a put lands in the host tier alone and reaches the disk
+    only when evicted, so a crash would lose blocks the sidecar had called durable)."""
+    if not config.durable_puts:
+        return
+    if store_config.disk is None:
+        raise InvalidRequest("durable puts need a disk tier: give --disk-capacity, or drop --durable-puts")
+    if store_config.host is not None and store_config.write_policy != "write_through":
+        raise InvalidRequest(f"durable puts need write_policy write_through, not {store_config.write_policy!r}: "
+                             "under on_eviction a put reaches the disk only when the host tier evicts it")
 
 
 def start_data_plane(address: str | None, store: TieredStore, limits: ServiceLimits, token: str | None,

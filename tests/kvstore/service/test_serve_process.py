@@ -103,6 +103,18 @@ def test_serve_refuses_to_send_a_token_over_plain_http_beyond_loopback(tmp_path)
     assert "--http-address '0.0.0.0:0' is reachable from other hosts: give --tls-cert and --tls-key" in done.stderr
 
 
+@pytest.mark.parametrize("setting, message", [
+    ({"KVSTORE_WRITE_POLICY": "on_eviction"}, "durable puts need write_policy write_through, not 'on_eviction'"),
+    ({"KVSTORE_DISK_CAPACITY": "0"}, "durable puts need a disk tier"),
+])
+def test_serve_refuses_durable_puts_where_a_put_does_not_reach_the_disk_before_its_answer(tmp_path, setting, message):
+    done = subprocess.run([sys.executable, "-m", "kvstore.service", "--durable-puts", "--data-dir", str(tmp_path),
+                           "--host-capacity", "1MiB", "--disk-capacity", setting.get("KVSTORE_DISK_CAPACITY", "16MiB")],
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": REPO, **setting})
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
 def test_an_integrity_failure_at_shutdown_is_named(make_store, monkeypatch):
     from kvstore.service.server import IntegrityCheckFailed, _check_integrity
 
