@@ -152,6 +152,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         self._transfers = TransferSlots(limits.max_concurrent_transfers, limits.max_streams_per_client)
         self._leases = ClientLeases(limits.max_leases_per_client)
         self._granted_slots = GrantedSlots()
+        self._registering = asyncio.Lock()
 
     async def _abort(self, context, method: str, exc: KVStoreError) -> None:
         code = status_code(exc)
@@ -161,9 +162,10 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     @translate_errors
     async def RegisterNamespace(self, request, context):
         namespace = wire.namespace_from_request(request)
-        if namespace.id not in {ns.id for ns in self._store.namespaces()}:  # registering again is free
-            self._limits.check_new_namespace(len(self._store.namespaces()))
-        ns_id = await asyncio.to_thread(self._store.register_namespace, namespace)
+        async with self._registering:  # one at a time: calls racing past the cap's check would overshoot it
+            if namespace.id not in {ns.id for ns in self._store.namespaces()}:  # registering again is free
+                self._limits.check_new_namespace(len(self._store.namespaces()))
+            ns_id = await asyncio.to_thread(self._store.register_namespace, namespace)
         return wire.registered(ns_id, self._store.spec(ns_id))
 
     @translate_errors

@@ -164,6 +164,23 @@ def test_namespaces_are_capped_and_registering_one_again_is_free(store, start_se
     assert len(store.namespaces()) == 2
 
 
+def test_namespaces_registered_at_once_do_not_overshoot_the_cap(store, start_server, namespace):
+    server = start_server(store, ServiceLimits(max_namespaces=2))
+    with grpc.insecure_channel(server.target) as channel:
+        register = KVStoreStub(channel).RegisterNamespace
+        unstick = hold_store_lock(store)  # every registration is under way before the first completes
+        try:
+            calls = [register.future(pb.RegisterNamespaceRequest(
+                canonical_json=dataclasses.replace(namespace, cache_salt=f"tenant-{i}").canonical_json()), timeout=30)
+                for i in range(5)]
+            time.sleep(0.3)
+        finally:
+            unstick.set()
+        refused = [call.exception() for call in calls if call.exception() is not None]
+    assert [error.code() for error in refused] == [grpc.StatusCode.RESOURCE_EXHAUSTED] * 3
+    assert len(store.namespaces()) == 2
+
+
 def test_a_get_refused_before_it_streams_still_ends_its_lease(store, server, namespace, spec, chain):
     with KVStoreClient(server.target, timeout_s=10) as client, grpc.insecure_channel(server.target) as channel:
         ns_id = client.register_namespace(namespace)
