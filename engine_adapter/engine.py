@@ -7,7 +7,9 @@ One ``step()`` runs the scheduled work through the model: every decoding sequenc
 ``Work.is_decode``) together in ONE ``model.forward_decode`` call, then each other item (prefill
 chunk, suffix after a prefix hit, a connector load's first forward) with its own ``model(...)``
 call. It commits the blocks each sequence completed and samples where a sequence reached its last
-known token. Prefix reuse, the connector and page accounting live in ``BlockManager``; admission,
+known token. A model call that raises ends only the requests it ran (``RequestOutput.error``);
+the others go on. Requests are checked when added: their tokens must be in the vocabulary and
+their ids unique among unfinished requests. Prefix reuse, the connector and page accounting live in ``BlockManager``; admission,
 chunking and preemption in ``Scheduler``.
 
 The optional ``connector`` (``connectors.base.KVConnector``) serves blocks beyond the device hit,
@@ -18,6 +20,7 @@ about tokenization or the store's tiers.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 
@@ -32,6 +35,8 @@ from engine_adapter.paged_cache import PagePool
 from engine_adapter.sampling import sample
 from engine_adapter.scheduler import Scheduler, Work
 from engine_adapter.sequence import Request, RequestOutput, Sequence
+
+log = logging.getLogger(__name__)
 
 
 class Engine:
@@ -53,30 +58,28 @@ class Engine:
         self.scheduler = Scheduler(self.blocks, chunk_size, max_running)
 
     def add_request(self, request: Request | Seq[int]) -> str:
-        """Queue a request (or bare prompt ids, greedy with defaults); returns its request id."""
-        request = request if isinstance(request, Request) else Request(tuple(request))
-        self.scheduler.add(Sequence(request))
-        return request.request_id
+        """Queue a request (or bare prompt ids, greedy with defaults); returns its request id.
+        Raises ``ValueError``, queueing nothing, if a prompt token lies outside ``[0, vocab_size)``,
+        the request id is already waiting or running, or the request could outgrow the pool."""
+        [request_id] = self._add([request])
+        return request_id
 
     def step(self) -> list[RequestOutput]:
-        """One engine iteration; returns the requests that finished in it."""
+        """One engine iteration; returns the requests that finished in it, or that it ended early
+        (``RequestOutput.error``: a model call that raised ends only the requests it ran)."""
         work = self.scheduler.schedule()
-        sampled: list[int | None] = [None] * len(work)
-        decode = [i for i, item in enumerate(work) if item.is_decode]
-        for i, token in zip(decode, self._decode([work[i].seq for i in decode])):
-            sampled[i] = token
-        for i, item in enumerate(work):
-            if not item.is_decode:
-                sampled[i] = self._run(item)
-        return self.scheduler.postprocess(work, sampled)
+        sampled, failed = self._forward(work)
+        finished = self.scheduler.postprocess(work, sampled)
+        return finished + [self.scheduler.fail(seq, error) for seq, error in failed]
 
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
 
     def run(self, requests: Iterable[Request | Seq[int]]) -> list[RequestOutput]:
-        """Add the requests, step until all finish; outputs in request order."""
-        ids = [self.add_request(r) for r in requests]
+        """Add the requests (all or, raising like ``add_request``, none), step until all finish;
+        outputs in request order."""
+        ids = self._add(requests)
         done: dict[str, RequestOutput] = {}
         while self.has_unfinished:
             done.update((out.request_id, out) for out in self.step())
@@ -84,9 +87,14 @@ class Engine:
 
     def generate(self, prompts: Iterable[Seq[int]], max_new_tokens: int = 16, temperature: float = 0.0,
                  seed: int = 0) -> list[list[int]]:
-        """Output token ids for each prompt (request ``i`` is seeded ``seed + i``)."""
+        """Output token ids for each prompt (request ``i`` is seeded ``seed + i``); raises
+        ``RuntimeError`` if the engine ended one early."""
         requests = [Request(tuple(p), max_new_tokens, temperature, seed + i) for i, p in enumerate(prompts)]
-        return [list(out.output_ids) for out in self.run(requests)]
+        outputs = self.run(requests)
+        failed = [f"{out.request_id}: {out.error}" for out in outputs if out.error is not None]
+        if failed:
+            raise RuntimeError(f"requests ended early: {'; '.join(failed)}")
+        return [list(out.output_ids) for out in outputs]
 
     def check_integrity(self) -> None:
         """Pool accounting holds, and exactly the running sequences' pages are referenced."""
@@ -97,6 +105,50 @@ class Engine:
                 expected[page] += 1
         actual = [self.pool.ref_count(page) for page in range(self.pool.num_pages)]
         assert actual == expected, "page references do not match the running sequences' block tables"
+
+    def _add(self, requests: Iterable[Request | Seq[int]]) -> list[str]:
+        """Queue all of ``requests`` or, raising ``ValueError``, none; their request ids."""
+        requests = [r if isinstance(r, Request) else Request(tuple(r)) for r in requests]
+        for request in requests:
+            self._check_tokens(request)
+        self.scheduler.add([Sequence(r) for r in requests])
+        return [r.request_id for r in requests]
+
+    def _check_tokens(self, request: Request) -> None:
+        """Every prompt token is a row of the embedding (one outside would fail every step it shares)."""
+        vocab, ids = self.model.config.vocab_size, request.prompt_ids
+        if min(ids) >= 0 and max(ids) < vocab:
+            return
+        position = next(i for i, t in enumerate(ids) if not 0 <= t < vocab)
+        raise ValueError(f"{request.request_id}: prompt token {ids[position]} at position {position} is not in "
+                         f"the model's vocabulary: token ids must lie in [0, {vocab})")
+
+    def _forward(self, work: list[Work]) -> tuple[list[int | None], list[tuple[Sequence, str]]]:
+        """Run the step's work: every decode in ONE call, then each other item in its own. Returns
+        the sampled tokens (None where a sequence sampled none) and the sequences whose call
+        raised, with the error: the exception is logged and ends only the sequences of that call."""
+        sampled: list[int | None] = [None] * len(work)
+        failed: list[tuple[Sequence, str]] = []
+        decode = [i for i, item in enumerate(work) if item.is_decode]
+        others = [[i] for i, item in enumerate(work) if not item.is_decode]
+        for indices in ([decode] if decode else []) + others:
+            try:
+                tokens = self._model_call([work[i] for i in indices])
+            except Exception as exc:  # e.g. out of device memory: the other requests go on
+                ids = ", ".join(work[i].seq.request_id for i in indices)
+                log.exception("the model call for %s raised; the engine ends it and goes on", ids)
+                failed += [(work[i].seq, f"{type(exc).__name__}: {exc}") for i in indices]
+                continue
+            for i, token in zip(indices, tokens):
+                sampled[i] = token
+        return sampled, failed
+
+    def _model_call(self, items: list[Work]) -> list[int | None]:
+        """One model call: a batch of decodes, or one other item; the tokens sampled, in order."""
+        if items[0].is_decode:
+            return self._decode([item.seq for item in items])
+        [item] = items
+        return [self._run(item)]
 
     def _decode(self, seqs: list[Sequence]) -> list[int | None]:
         """Forward the next token of every sequence in ONE batched call; the sampled tokens."""

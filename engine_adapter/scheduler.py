@@ -10,6 +10,9 @@ When a running sequence needs a page and none is left, the most recently admitte
 preempted: its pages are released (the registered ones stay cached, so readmission finds most of
 them again) and it goes back to the front of the queue to recompute what it lost.
 
+A running sequence with nothing left to compute (an engine step raised after computing its last
+token, before the token was appended) is never scheduled: it is ended with an error instead.
+
 This module knows sequences and token counts; pages go through the ``BlockManager``.
 """
 
@@ -41,25 +44,43 @@ class Scheduler:
         self.blocks, self.chunk_size, self.max_running = blocks, chunk_size, max_running
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self._ended: list[RequestOutput] = []  # sequences schedule() failed, for the next postprocess
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seqs: list[Sequence]) -> None:
+        """Queue ``seqs`` in order, all or none: raises ``ValueError`` (nothing queued) if one could
+        outgrow the pool or has the request id of a sequence waiting, running or before it in ``seqs``."""
+        taken = {seq.request_id for seq in (*self.waiting, *self.running)}
+        for seq in seqs:
+            self._check_fits(seq)
+            if seq.request_id in taken:
+                raise ValueError(f"request id {seq.request_id!r} is already waiting or running: give each "
+                                 "unfinished request its own id (an empty request_id gets a unique one)")
+            taken.add(seq.request_id)
+        self.waiting.extend(seqs)
+
+    def _check_fits(self, seq: Sequence) -> None:
         longest = seq.num_prompt_tokens + seq.request.max_new_tokens
         if self.blocks.pages_for(longest) > self.blocks.pool.num_pages:
             raise ValueError(f"{seq.request_id} may reach {longest} tokens = {self.blocks.pages_for(longest)} "
                              f"pages; the pool has {self.blocks.pool.num_pages}")
-        self.waiting.append(seq)
 
     @property
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> list[Work]:
+        """The next step's work; every item has at least one token."""
         budget, work = self.chunk_size, []
         for seq in list(self.running):
             if budget == 0:
                 break
+            if seq not in self.running:  # preempted for the pages of one before it
+                continue
+            if not seq.num_uncomputed_tokens:  # a step raised after computing its last token: the token is lost
+                self._ended.append(self.fail(seq, "an engine step raised after computing its last token"))
+                continue
             count = min(seq.num_uncomputed_tokens, budget)
-            if seq in self.running and self._reserve(seq, count):
+            if self._reserve(seq, count):
                 work.append(Work(seq, count))
                 budget -= count
         while budget and self.waiting and len(self.running) < self.max_running:
@@ -73,8 +94,9 @@ class Scheduler:
         return work
 
     def postprocess(self, work: list[Work], sampled: list[int | None]) -> list[RequestOutput]:
-        """Append each sampled token (None: the sequence produced none this step); finish sequences."""
-        finished = []
+        """Append each sampled token (None: the sequence produced none this step); finish sequences.
+        Returns the finished ones, and those ``schedule`` ended early."""
+        finished, self._ended = self._ended, []
         for (seq, _), token in zip(work, sampled):
             if token is None:
                 continue
@@ -87,6 +109,12 @@ class Scheduler:
                 self.blocks.free(seq)
                 finished.append(seq.output())
         return finished
+
+    def fail(self, seq: Sequence, error: str) -> RequestOutput:
+        """End the running ``seq`` early: release what it holds; its output carries ``error``."""
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        return seq.output(error)
 
     def _reserve(self, seq: Sequence, count: int) -> bool:
         """Pages for ``count`` more tokens of ``seq``, preempting from the back; False if ``seq`` itself went."""

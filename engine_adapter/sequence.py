@@ -67,6 +67,7 @@ class RequestOutput:
     prompt_ids: tuple[int, ...]
     output_ids: tuple[int, ...]
     stats: RequestStats
+    error: str | None = None  # why the engine ended the request early (output_ids: what came before); None: done
 
 
 @dataclass
@@ -120,5 +121,6 @@ class Sequence:
         return len(outputs) >= self.request.max_new_tokens or (
             bool(outputs) and outputs[-1] in self.request.stop_token_ids)
 
-    def output(self) -> RequestOutput:
-        return RequestOutput(self.request_id, self.request.prompt_ids, tuple(self.output_ids), replace(self.stats))
+    def output(self, error: str | None = None) -> RequestOutput:
+        return RequestOutput(self.request_id, self.request.prompt_ids, tuple(self.output_ids), replace(self.stats),
+                             error)

@@ -200,6 +200,103 @@ def test_caller_mistakes(v3):
         Engine(v3.ours, PagePool(v3.ours.config, 4, page_size=8), block_size=64)
 
 
+@pytest.mark.parametrize("bad_token", [256, -1, 2**32])  # the tiny models' vocab_size is 256
+def test_a_prompt_token_outside_the_vocabulary_is_refused_and_nothing_queued(v3, bad_token):
+    engine, _ = make_engine(v3.ours)
+    good = Request(prompt_ids(20, seed=5), NEW)
+    message = rf"prompt token {bad_token} at position 2 is not in the model's vocabulary: .* \[0, 256\)"
+    with pytest.raises(ValueError, match=message):
+        engine.add_request(Request((1, 2, bad_token), NEW))
+    with pytest.raises(ValueError, match=message):
+        engine.run([good, Request((1, 2, bad_token), NEW)])
+    assert not engine.has_unfinished, "neither the bad request nor the good one before it was queued"
+    [out] = engine.run([good])
+    assert out.error is None and list(out.output_ids) == make_engine(v3.ours)[0].generate([good.prompt_ids], NEW)[0]
+    engine.check_integrity()
+
+
+def test_a_request_id_already_waiting_or_running_is_refused(v3):
+    engine, _ = make_engine(v3.ours)
+    first, second = prompt_ids(20, seed=6), prompt_ids(21, seed=7)
+    engine.add_request(Request(first, NEW, request_id="same"))
+    with pytest.raises(ValueError, match="request id 'same' is already waiting or running"):
+        engine.add_request(Request(second, NEW, request_id="same"))
+    engine.step()  # now running
+    with pytest.raises(ValueError, match="request id 'same' is already waiting or running"):
+        engine.add_request(Request(second, NEW, request_id="same"))
+    while engine.has_unfinished:
+        engine.step()
+    with pytest.raises(ValueError, match="request id 'twice' is already waiting or running"):
+        engine.run([Request(first, NEW, request_id="twice"), Request(second, NEW, request_id="twice")])
+    assert not engine.has_unfinished
+    [out] = engine.run([Request(second, NEW, request_id="same")])  # finished ids may come back
+    assert out.prompt_ids == tuple(second)
+
+
+class FailingModel:
+    """The model, raising ``exc`` in place of the forward of exactly ``prompt`` or, with no
+    prompt, of the next batched decode."""
+
+    def __init__(self, model, exc: BaseException, prompt: list[int] | None = None) -> None:
+        self.model, self.exc, self.prompt = model, exc, prompt
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def __call__(self, token_ids, positions, cache):
+        if token_ids.tolist() == self.prompt:
+            raise self.exc
+        return self.model(token_ids, positions, cache)
+
+    def forward_decode(self, token_ids, positions, caches):
+        if self.prompt is None and self.exc is not None:
+            exc, self.exc = self.exc, None
+            raise exc
+        return self.model.forward_decode(token_ids, positions, caches)
+
+
+def test_a_prefill_that_raises_ends_only_its_request(v3):
+    healthy, failing, other = prompt_ids(20, seed=5), prompt_ids(17, seed=6), prompt_ids(9, seed=7)
+    engine = Engine(FailingModel(v3.ours, RuntimeError("injected"), failing), PagePool(v3.ours.config, 32, page_size=P))
+    outs = engine.run([Request(healthy, NEW), Request(failing, NEW), Request(other, NEW)])
+    assert [out.error for out in outs] == [None, "RuntimeError: injected", None] and outs[1].output_ids == ()
+    assert [list(outs[i].output_ids) for i in (0, 2)] == make_engine(v3.ours)[0].generate([healthy, other], NEW)
+    engine.check_integrity()
+    assert engine.pool.num_free + engine.pool.num_cached == engine.pool.num_pages
+    with pytest.raises(RuntimeError, match=r"requests ended early: req-\d+: RuntimeError: injected"):
+        engine.generate([failing], NEW)
+
+
+def test_a_batched_decode_that_raises_ends_the_requests_it_ran_and_the_engine_goes_on(v3):
+    engine = Engine(FailingModel(v3.ours, RuntimeError("out of memory")), PagePool(v3.ours.config, 32, page_size=P))
+    prompts = [prompt_ids(9, seed=8), prompt_ids(12, seed=9)]
+    outs = engine.run([Request(p, NEW) for p in prompts])  # both prefill, sample, then decode together
+    assert [(len(out.output_ids), out.error) for out in outs] == [(1, "RuntimeError: out of memory")] * 2
+    engine.check_integrity()
+    assert engine.generate(prompts, NEW) == make_engine(v3.ours)[0].generate(prompts, NEW)
+
+
+def test_a_step_interrupted_midway_ends_the_request_whose_token_it_lost_and_never_wedges(v3):
+    """The first prefill is computed, then the step is interrupted before its token is appended:
+    that request cannot go on (ended with an error), the interrupted one is computed next step."""
+    computed, interrupted = prompt_ids(20, seed=5), prompt_ids(17, seed=6)
+    model = FailingModel(v3.ours, KeyboardInterrupt(), interrupted)
+    engine = Engine(model, PagePool(v3.ours.config, 32, page_size=P))
+    ids = [engine.add_request(Request(p, NEW)) for p in (computed, interrupted)]
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    model.prompt = None  # no more interruptions
+    model.exc = None
+    done = {}
+    for _ in range(3 * NEW):
+        done.update((out.request_id, out) for out in engine.step())
+    assert not engine.has_unfinished
+    assert done[ids[0]].error == "an engine step raised after computing its last token"
+    assert done[ids[1]].error is None
+    assert list(done[ids[1]].output_ids) == make_engine(v3.ours)[0].generate([interrupted], NEW)[0]
+    engine.check_integrity()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_cuda_reuse_gives_the_cold_tokens(v32):
     model = DeepseekForCausalLM.from_pretrained(v32.directory, dtype=torch.float32, device="cuda")
