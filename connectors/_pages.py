@@ -20,6 +20,7 @@ import torch
 from connectors.base import LoadFailed, LoadHandle, PageBytes
 from kvstore.buffers import aligned_empty
 from kvstore.layout import BlockSpec
+from kvstore.store import MAX_LEASE_TTL_S
 
 log = logging.getLogger("connectors")
 DEFAULT_LOAD_TIMEOUT_S = 30.0  # far beyond a healthy load (GB/s), well short of a hung request
@@ -32,6 +33,15 @@ def check_load_timeout(seconds: float | None) -> float | None:
     if seconds is not None and not 0 < seconds <= threading.TIMEOUT_MAX:
         raise ValueError(f"load_timeout_s must be positive seconds up to {threading.TIMEOUT_MAX:.0f}, or None "
                          f"(no deadline), not {seconds!r}")
+    return seconds
+
+
+def check_lease_ttl(seconds: float) -> float:
+    """A lease TTL as the store grants it: positive seconds up to its ``MAX_LEASE_TTL_S``. (Any
+    other is refused by the store at every lookup: a connector would wedge or only ever miss.)"""
+    if not 0 < seconds <= MAX_LEASE_TTL_S:
+        raise ValueError(f"lease_ttl_s must be in (0, {MAX_LEASE_TTL_S:g}] seconds (the store's longest lease), "
+                         f"not {seconds!r}")
     return seconds
 
 

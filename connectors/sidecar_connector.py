@@ -43,7 +43,7 @@ import grpc
 import numpy as np
 
 from connectors._pages import (DEFAULT_LOAD_TIMEOUT_S, DEFAULT_LOOKUP_TIMEOUT_S, DEFAULT_MAX_PENDING_SAVE_BYTES,
-                              BackgroundLoad, PageFence, SaveWriter, check_load_timeout,
+                              BackgroundLoad, PageFence, SaveWriter, check_lease_ttl, check_load_timeout,
                               gather_blocks, load_targets, scatter_layer)
 from connectors.base import ConnectorHit, KVConnector, LoadFailed, LoadHandle, PageBytes
 from connectors.sidecar_session import NOT_ANSWERING, SidecarNotAnswering, SidecarSession, describe
@@ -69,9 +69,12 @@ class SidecarConnector(KVConnector):
         waits on it), ``load_timeout_s`` a whole load, after which the engine gives up on it and
         recomputes (None: no bound). A sidecar that stops answering is skipped for a back-off
         window (``SidecarSession``): lookups are misses at once meanwhile. Saves waiting for the
-        sidecar beyond ``max_pending_save_bytes`` are dropped (``SaveWriter``)."""
+        sidecar beyond ``max_pending_save_bytes`` are dropped (``SaveWriter``). ``lease_ttl_s``: how
+        long a lookup or a load pins its blocks, in (0, ``kvstore.store.MAX_LEASE_TTL_S``]; anything
+        else raises ``ValueError`` (the sidecar would refuse every lookup)."""
         if not lookup_timeout_s > 0:
             raise ValueError(f"lookup_timeout_s must be positive seconds, not {lookup_timeout_s!r}")
+        check_lease_ttl(lease_ttl_s)
         self.lookup_timeout_s = lookup_timeout_s
         self.load_timeout_s = check_load_timeout(load_timeout_s)
         self._owns_client = not isinstance(sidecar, KVStoreClient)

@@ -27,7 +27,7 @@ import torch
 
 from connectors.backoff import Backoff
 from connectors._pages import (DEFAULT_LOAD_TIMEOUT_S, DEFAULT_LOOKUP_TIMEOUT_S, DEFAULT_MAX_PENDING_SAVE_BYTES,
-                              BackgroundLoad, SaveWriter, check_load_timeout, gather_blocks,
+                              BackgroundLoad, SaveWriter, check_lease_ttl, check_load_timeout, gather_blocks,
                               load_targets, scatter_layer)
 from connectors.base import ConnectorHit, KVConnector, LoadFailed, LoadHandle, PageBytes
 from kvstore.errors import UnknownLease
@@ -50,9 +50,11 @@ class StoreConnector(KVConnector):
         lookup waits for the store's lock (held through disk I/O by an eviction, say) before it
         answers a miss. Ending a lease never waits on the engine's thread: a busy store's lock
         hands it to a thread of its own. ``max_pending_save_bytes``: saves waiting for the store
-        beyond this are dropped (``SaveWriter``)."""
+        beyond this are dropped (``SaveWriter``). ``lease_ttl_s``: how long a lookup pins its hit
+        for the load, in (0, ``kvstore.store.MAX_LEASE_TTL_S``]; anything else raises ``ValueError``."""
         if not lookup_timeout_s > 0:
             raise ValueError(f"lookup_timeout_s must be positive seconds, not {lookup_timeout_s!r}")
+        check_lease_ttl(lease_ttl_s)
         self.store = store
         self.load_timeout_s = check_load_timeout(load_timeout_s)
         self.lookup_timeout_s = lookup_timeout_s

@@ -22,6 +22,7 @@ from kvstore.config import parse_bool
 from kvstore.errors import InvalidRequest
 from kvstore.service import security
 from kvstore.service.config import DEFAULT_ADDRESS
+from kvstore.store import MAX_LEASE_TTL_S
 
 LMCACHE_KEYS = ("module_path", "class_name")  # read by LMCache itself
 
@@ -54,6 +55,9 @@ class PluginConfig:
         for name in ("timeout_s", "lookup_timeout_s", "lease_ttl_s", "workers"):
             if not getattr(self, name) > 0:
                 raise InvalidRequest(f"remote_storage_plugin.*.{name} must be positive, got {getattr(self, name)}")
+        if not self.lease_ttl_s <= MAX_LEASE_TTL_S:  # the sidecar would refuse every get
+            raise InvalidRequest(f"remote_storage_plugin.*.lease_ttl_s must be at most {MAX_LEASE_TTL_S:g} (the "
+                                 f"store's longest lease), got {self.lease_ttl_s}")
         if not self.address:
             raise InvalidRequest("remote_storage_plugin.*.address must be HOST:PORT or unix:PATH")
 

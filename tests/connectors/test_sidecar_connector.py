@@ -317,6 +317,17 @@ def test_a_read_only_connector_loads_but_never_saves_or_demotes(make_store, side
     assert store.stats().stored_blocks == 3, "a demoted page becomes a block in the sidecar"
 
 
+@pytest.mark.parametrize("ttl", [0, 7200.0])
+def test_a_lease_ttl_the_sidecar_would_refuse_is_refused_at_construction(make_store, sidecars, connectors, hashes, ttl):
+    """(Accepted, the sidecar refused every lookup: only ever misses, under a warning about the sidecar.)"""
+    with pytest.raises(ValueError, match=r"lease_ttl_s must be in \(0, 3600\] seconds \(the store's longest lease\)"):
+        SidecarConnector(unused_address(), NS, lease_ttl_s=ttl)
+    connector = connectors(sidecars(make_store()).target, NS, lease_ttl_s=3600.0)  # the longest lease it grants
+    connector.save("a", hashes[:2], [0, 1], BytePool(2, seed=3), parent=None)
+    connector.flush()
+    assert connector.lookup("b", hashes[:2]).blocks == 2
+
+
 def test_configuration_alone_picks_the_connector(make_store, sidecars, tmp_path):
     store = make_store()
     sidecar = sidecars(store)

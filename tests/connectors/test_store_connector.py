@@ -203,6 +203,21 @@ def test_load_timeout_must_be_positive_or_none(tmp_path):
     store.close()
 
 
+@pytest.mark.parametrize("ttl", [0, -1.0, 3600.5, 7200.0, float("nan")])
+def test_a_lease_ttl_the_store_would_refuse_is_refused_at_construction(tmp_path, hashes, ttl):
+    """(Accepted, the store refused it at every lookup, inside the engine's step: a wedged engine.)"""
+    store = make_store(tmp_path)
+    with pytest.raises(ValueError, match=r"lease_ttl_s must be in \(0, 3600\] seconds \(the store's longest lease\)"):
+        StoreConnector(store, NS, lease_ttl_s=ttl)
+    connector = StoreConnector(store, NS, lease_ttl_s=3600.0)  # the longest lease the store grants
+    connector.save("a", hashes[:2], [0, 1], BytePool(2, seed=3), parent=None)
+    connector.flush()
+    assert connector.lookup("b", hashes[:2]).blocks == 2
+    connector.release("b")
+    connector.close()
+    store.close()
+
+
 def test_a_lease_that_ends_mid_copy_fails_the_load_from_that_layer_on(tmp_path, hashes):
     """Host blocks are copied straight out of shared memory the lease pins; if the lease ends
     while a layer is being copied (past its TTL here) a slot may have been reused under the copy,

@@ -42,6 +42,7 @@ def test_an_unknown_key_is_refused_with_the_valid_ones():
     ("workers", "many", "must be a number"),
     ("timeout_s", "0", "timeout_s must be positive"),
     ("lookup_timeout_s", "-1", "lookup_timeout_s must be positive"),
+    ("lease_ttl_s", "7200", r"lease_ttl_s must be at most 3600 \(the store's longest lease\)"),
     ("shared_memory", "maybe", "as a boolean"),
 ])
 def test_a_bad_value_is_refused_with_what_would_be_valid(key, value, message):
