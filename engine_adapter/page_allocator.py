@@ -14,18 +14,23 @@ A request releases its pages tail first, so within one chain the tail is evicted
 (evicting a head would make the blocks behind it unreachable anyway).
 
 ``on_evict(block_hash, page, parent_hash)`` is called right before a cached page is reused, while
-its bytes are still intact: a connector demotes the block to the host tier there.
+its bytes are still intact: a connector demotes the block to the host tier there. The page is
+out of the hash index by then and is handed out whatever the hook does: an exception from it is
+logged and counted (``failed_demotions``), and the block is simply not demoted (a later miss).
+So free + cached + referenced == num_pages holds however the hook fails.
 
 This module knows page ids and hashes only: no tensors, no tokens, no requests.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 EvictHook = Callable[[bytes, int, "bytes | None"], None]
+log = logging.getLogger(__name__)
 
 
 class OutOfPages(RuntimeError):
@@ -48,6 +53,7 @@ class PageAllocator:
         self._page_of: dict[bytes, int] = {}  # block hash -> its registered page
         self._block_of: dict[int, CachedBlock] = {}  # registered page -> its block
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached pages, least recently released first
+        self.failed_demotions = 0  # on_evict calls that raised
 
     @property
     def num_free(self) -> int:
@@ -142,5 +148,17 @@ class PageAllocator:
         block = self._block_of.pop(page)
         del self._page_of[block.block_hash]
         if self.on_evict is not None:
-            self.on_evict(block.block_hash, page, block.parent)  # the page's bytes are still intact
+            self._demote(block, page)
         return page
+
+    def _demote(self, block: CachedBlock, page: int) -> None:
+        """``on_evict`` for a page being reused (its bytes still intact); a failure is logged, never raised."""
+        try:
+            self.on_evict(block.block_hash, page, block.parent)
+        except Exception:  # the hook is the caller's (a connector's copy): any failure is a block not demoted
+            self.failed_demotions += 1
+            if self.failed_demotions == 1:
+                log.exception("demoting evicted page %d failed; its block is dropped instead (later failures are "
+                              "counted in failed_demotions, logged at debug level)", page)
+            else:
+                log.debug("demoting evicted page %d failed", page, exc_info=True)

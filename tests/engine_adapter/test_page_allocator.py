@@ -80,6 +80,24 @@ def test_duplicate_block_stays_private_and_is_freed():
     pool.check_integrity()
 
 
+def test_a_demotion_that_raises_still_hands_the_page_out_and_keeps_the_accounting_whole(caplog):
+    demoted = []
+
+    def demote(block_hash, page, parent):
+        if page == 2:
+            raise RuntimeError("device->host copy failed")
+        demoted.append(page)
+
+    pool = PageAllocator(4, on_evict=demote)
+    run_chain(pool, H[0:3])  # pages 0, 1, 2 cached, page 3 free
+    assert pool.allocate(3) == [3, 2, 1]  # the free page, then the tail whose demotion fails, then the next
+    assert demoted == [1] and pool.failed_demotions == 1
+    assert "demoting evicted page 2 failed" in caplog.text
+    assert pool.match_prefix(H[0:3]) == [0]
+    assert (pool.num_free, pool.num_cached, pool.num_available) == (0, 1, 1)
+    pool.check_integrity()
+
+
 def test_caller_mistakes():
     pool = allocator(2, [])
     with pytest.raises(OutOfPages, match="asked for 3 pages, 2 free or evictable"):
