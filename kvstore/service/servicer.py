@@ -78,6 +78,23 @@ def _put_then(store: TieredStore, ns_id: bytes, hashes: list[bytes], payloads: l
             then(payloads)
 
 
+async def _undone_if_abandoned(undo, call, *args):
+    """``call(*args)`` on a worker thread. If the RPC awaiting it is cancelled meanwhile (its client
+    went away, its deadline passed), ``undo(result)`` runs on a worker thread once ``call``
+    returns: what it took (a lease, a reservation) belongs to no one who could end it."""
+    calling = asyncio.ensure_future(asyncio.to_thread(call, *args))
+    try:
+        return await asyncio.shield(calling)
+    except asyncio.CancelledError:
+        calling.add_done_callback(functools.partial(_undo_result, undo))
+        raise
+
+
+def _undo_result(undo, calling: asyncio.Future) -> None:
+    if not calling.cancelled() and calling.exception() is None:
+        calling.get_loop().run_in_executor(None, undo, calling.result())
+
+
 def status_code(exc: KVStoreError) -> grpc.StatusCode:
     return next(STATUS_CODES[cls] for cls in type(exc).__mro__ if cls in STATUS_CODES)
 
@@ -311,10 +328,10 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         spec = self._store.spec(request.namespace_id)
         check_block_bytes(request.block_bytes, spec.block_bytes, "block payload", len(hashes))
         ttl_s = request.ttl_s or DEFAULT_RESERVATION_TTL_S
-        reservation = await asyncio.to_thread(staging.reserve, request.namespace_id, hashes,
-                                              wire.optional(request, "parent"), spec.block_bytes, spec.num_layers,
-                                              ttl_s, owner=client_of(context),
-                                              owner_limit=self._limits.max_reservations_per_client)
+        reserve = functools.partial(staging.reserve, request.namespace_id, hashes, wire.optional(request, "parent"),
+                                    spec.block_bytes, spec.num_layers, ttl_s, owner=client_of(context),
+                                    owner_limit=self._limits.max_reservations_per_client)
+        reservation = await _undone_if_abandoned(staging.cancel, reserve)
         return wire.reservation_to_proto(reservation, staging.segment_path, ttl_s)
 
     @translate_errors
@@ -365,20 +382,13 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             await asyncio.to_thread(_release_quietly, self._store, lease_id)
 
     async def _leasing(self, take, *args):
-        """``take(*args)`` on a worker thread: a store call whose result may carry a ``lease_id``.
-        If this call is cancelled meanwhile (its client went away, its deadline passed), that
-        lease is ended as soon as ``take`` returns: no one else knows of it to release it."""
-        taking = asyncio.ensure_future(asyncio.to_thread(take, *args))
-        try:
-            return await asyncio.shield(taking)
-        except asyncio.CancelledError:
-            taking.add_done_callback(self._end_orphaned_lease)
-            raise
+        """``take(*args)``, a store call whose result may carry a ``lease_id``, on a worker thread
+        (``_undone_if_abandoned``: a lease taken for a call given up on is released)."""
+        return await _undone_if_abandoned(self._release_orphaned_lease, take, *args)
 
-    def _end_orphaned_lease(self, taking: asyncio.Future) -> None:
-        if taking.cancelled() or taking.exception() is not None or taking.result().lease_id is None:
-            return
-        taking.get_loop().run_in_executor(None, _release_quietly, self._store, taking.result().lease_id)
+    def _release_orphaned_lease(self, result) -> None:
+        if result.lease_id is not None:
+            _release_quietly(self._store, result.lease_id)
 
     async def _put(self, ns_id: bytes, hashes: list[bytes], payloads: list, parent: bytes | None,
                    started: float, then=None) -> pb.PutResponse:

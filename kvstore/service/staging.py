@@ -156,6 +156,12 @@ class StagingArea:
             raise
         return reservation, copies
 
+    def cancel(self, reservation: Reservation) -> None:
+        """End ``reservation`` unused (its slots are free again); nothing if it ended already."""
+        with self._lock:
+            if self._reservations.get(reservation.reservation_id) is reservation:
+                self._end(reservation.reservation_id)
+
     def recycle(self, copies: list[np.ndarray]) -> None:
         """Give back the copies ``take`` returned once they are no longer read (optional: a faster
         next take). At most the area's capacity is kept, of the sizes recycled most recently."""

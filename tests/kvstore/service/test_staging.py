@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 import time
 
 import grpc
@@ -259,3 +260,25 @@ def test_spare_copies_stay_within_the_area_and_keep_the_sizes_recycled_last(tmp_
         assert 1 << 20 not in area._spare and area._spare_bytes == 256 << 10
     finally:
         area.close()
+
+
+def test_a_reservation_made_for_a_call_its_client_gave_up_on_is_ended(staged_stub, staging, namespace, spec, chain,
+                                                                      monkeypatch):
+    """Its id never reached the client, so only its TTL would end it: meanwhile it held staging
+    slots and one of the client's max_reservations_per_client."""
+    ns_id, finish, made = register(staged_stub, namespace), threading.Event(), []
+    real_reserve = staging.reserve
+
+    def slow_reserve(*args, **kw):  # a reservation that waits, as one behind a busy staging lock would
+        assert finish.wait(10), "the test never let the reservation finish"
+        made.append(real_reserve(*args, **kw))
+        return made[-1]
+
+    monkeypatch.setattr(staging, "reserve", slow_reserve)
+    request = pb.ReserveSlotsRequest(namespace_id=ns_id, block_hashes=chain[:2], block_bytes=spec.block_bytes,
+                                     ttl_s=600)
+    error = rpc_error(staged_stub.ReserveSlots, request, metadata=as_client("tenant-a"), timeout=0.3)
+    finish.set()
+    assert error.code() == Code.DEADLINE_EXCEEDED
+    assert until(lambda: len(made) == 1), "the reservation was made after the client left"
+    assert until(lambda: staging.active() == 0), "and then ended, not left to its 600 s TTL"
