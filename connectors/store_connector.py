@@ -13,7 +13,9 @@ copies write the engine's pages: out of the host tier's shared memory (zero-copy
 lookup's lease pins, ``TieredStore.leased_views``), or out of the load's own buffers for disk
 blocks. So a load whose read hangs (a stuck disk, the store's lock held) is abandoned after
 ``load_timeout_s`` and the engine recomputes without waiting for it
-(``connectors._pages.BackgroundLoad``).
+(``connectors._pages.BackgroundLoad``). Like a sidecar that is down, a store that fails a lookup
+with its own error (``KVStoreError``: closed, say) is a miss, warned about once until it answers
+again; a lease the store fails to end is logged and left to its TTL.
 """
 
 from __future__ import annotations
@@ -30,9 +32,10 @@ from connectors._pages import (DEFAULT_LOAD_TIMEOUT_S, DEFAULT_LOOKUP_TIMEOUT_S,
                               BackgroundLoad, SaveWriter, check_lease_ttl, check_load_timeout, gather_blocks,
                               load_targets, scatter_layer)
 from connectors.base import ConnectorHit, KVConnector, LoadFailed, LoadHandle, PageBytes
-from kvstore.errors import UnknownLease
+from kvstore.errors import KVStoreError, UnknownLease
 from kvstore.keys import Namespace
 from kvstore.layout import BlockSpec
+from kvstore.results import LookupResult
 from kvstore.store import TieredStore
 
 log = logging.getLogger(__name__)
@@ -68,6 +71,7 @@ class StoreConnector(KVConnector):
                                                                                  parent=parent), logger=log,
                                  max_pending_bytes=max_pending_save_bytes)
         self._memory_tiers = {tier.name for tier in store.tiers if tier.in_memory}
+        self._lookups_failing = False  # the last lookup raised: warned once, until one answers
         self._store_lock = Backoff(initial_s=1.0, max_s=15.0)  # a lock held through I/O: skip lookups a while
         # Tiers below memory whose reads a load was given up on: hits stop at memory for a window
         # long enough that probing costs one request a deadline now and then (5 s or twice the
@@ -83,10 +87,9 @@ class StoreConnector(KVConnector):
 
     def lookup(self, request_id: str, block_hashes: Sequence[bytes]) -> ConnectorHit:
         self.release(request_id)
-        if not self._store_lock.allow():  # held past lookup_timeout_s lately: a miss without a wait
+        result = self._store_lookup(block_hashes)
+        if result is None:
             return ConnectorHit(request_id, 0, self.spec.block_size, ())
-        result = self.store.lookup(self.ns_id, block_hashes, lease_ttl_s=self.lease_ttl_s, wait_s=self.lookup_timeout_s)
-        self._store_lock.not_answering() if result.busy else self._store_lock.answered()
         if result.lease_id is not None:
             with self._lock:
                 self._leases[request_id] = result.lease_id
@@ -97,6 +100,26 @@ class StoreConnector(KVConnector):
             if not blocks:
                 self.release(request_id)
         return ConnectorHit(request_id, blocks, self.spec.block_size, result.tiers[:blocks])
+
+    def _store_lookup(self, block_hashes: Sequence[bytes]) -> LookupResult | None:
+        """The store's answer with a lease; None (a miss) while its lock is being skipped or when
+        it fails (closed, say: logged once until it answers again)."""
+        if not self._store_lock.allow():  # held past lookup_timeout_s lately: a miss without a wait
+            return None
+        try:
+            result = self.store.lookup(self.ns_id, block_hashes, lease_ttl_s=self.lease_ttl_s,
+                                       wait_s=self.lookup_timeout_s)
+        except KVStoreError as exc:
+            if not self._lookups_failing:
+                log.warning("the store cannot look up blocks (%s: %s); lookups are misses until it answers",
+                            type(exc).__name__, exc)
+            self._lookups_failing = True
+            return None
+        if self._lookups_failing:
+            log.info("the store answers lookups again")
+            self._lookups_failing = False
+        self._store_lock.not_answering() if result.busy else self._store_lock.answered()
+        return result
 
     # ---- transfer side -----------------------------------------------------------------
 
@@ -189,20 +212,26 @@ class StoreConnector(KVConnector):
     # ---- internals ---------------------------------------------------------------------
 
     def _end_lease(self, request_id: str, lease_id: int | None) -> None:
+        """End ``lease_id`` if there is one; never raises for the store (its TTL ends what this cannot)."""
         if lease_id is None:
             return
         try:
             if not self.store.try_release(lease_id, RELEASE_WAIT_S):  # the lock is held (disk I/O?)
                 threading.Thread(target=self._end_lease_blocking, args=(lease_id,), name="kv-lease-end",
                                  daemon=True).start()
-        except UnknownLease:
-            pass  # expired meanwhile: nothing left to end
+        except KVStoreError as exc:
+            _lease_not_ended(lease_id, exc)
 
     def _end_lease_blocking(self, lease_id: int) -> None:
         try:
             self.store.release(lease_id)
-        except UnknownLease:
-            pass
+        except KVStoreError as exc:
+            _lease_not_ended(lease_id, exc)
+
+
+def _lease_not_ended(lease_id: int, exc: Exception) -> None:
+    if not isinstance(exc, UnknownLease):  # unknown: expired meanwhile, nothing left to end
+        log.debug("ending lease %d failed (%s: %s); its TTL ends it", lease_id, type(exc).__name__, exc)
 
 
 class _DeviceStaging:

@@ -1,5 +1,6 @@
 """StoreConnector over a real TieredStore (host + disk in a temp dir) and a byte page pool."""
 
+import logging
 import os
 import threading
 import time
@@ -8,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from connectors.base import LoadFailed
+from connectors.base import ConnectorHit, LoadFailed
 from connectors.store_connector import StoreConnector
+from kvstore.errors import StoreClosed
 from kvstore.keys import Namespace, namespace_hashes
 from kvstore.layout import BlockSpec
 from kvstore.store import TieredStore
@@ -214,6 +216,52 @@ def test_a_lease_ttl_the_store_would_refuse_is_refused_at_construction(tmp_path,
     connector.flush()
     assert connector.lookup("b", hashes[:2]).blocks == 2
     connector.release("b")
+    connector.close()
+    store.close()
+
+
+def closed(*args, **kwargs):
+    """Fault injection: what a store call raises once the store is closed."""
+    raise StoreClosed("the store is closed")
+
+
+def test_a_failing_store_is_a_miss_warned_about_once_until_it_answers_again(tmp_path, hashes, caplog):
+    """(A closed store's StoreClosed escaped every Engine.step; a sidecar that is down was a miss.)"""
+    store = make_store(tmp_path)
+    connector = StoreConnector(store, NS)
+    connector.save("a", hashes[:2], [0, 1], BytePool(2, seed=3), parent=None)
+    connector.flush()
+    warning = "the store cannot look up blocks (StoreClosed: the store is closed); lookups are misses until it answers"
+    with caplog.at_level(logging.INFO, logger="connectors.store_connector"):
+        store.lookup, lookup = closed, store.lookup
+        assert connector.lookup("b", hashes) == ConnectorHit("b", 0, NS.block_size, ())
+        assert connector.lookup("c", hashes).blocks == 0
+        store.lookup = lookup
+        assert connector.lookup("d", hashes).blocks == 2
+        connector.release("d")
+        store.close()  # for good
+        assert connector.lookup("e", hashes).blocks == 0
+    assert [record.getMessage() for record in caplog.records] == [warning, "the store answers lookups again", warning]
+    connector.close()
+
+
+def test_a_store_error_ending_a_lease_is_logged_not_raised_and_other_errors_are_not_swallowed(tmp_path, hashes,
+                                                                                              caplog):
+    store = make_store(tmp_path)
+    connector = StoreConnector(store, NS)
+    connector.save("a", hashes[:2], [0, 1], BytePool(2, seed=3), parent=None)
+    connector.flush()
+
+    store.try_release, release = closed, store.try_release
+    assert connector.lookup("b", hashes).blocks == 2
+    with caplog.at_level(logging.DEBUG, logger="connectors.store_connector"):
+        connector.release("b")
+    assert "failed (StoreClosed: the store is closed); its TTL ends it" in caplog.text
+    store.try_release = lambda *args: 1 / 0  # a bug, not the store failing: it surfaces
+    assert connector.lookup("c", hashes).blocks == 2
+    with pytest.raises(ZeroDivisionError):
+        connector.release("c")
+    store.try_release = release
     connector.close()
     store.close()
 

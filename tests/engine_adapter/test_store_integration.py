@@ -147,6 +147,20 @@ def test_the_engine_serves_while_the_stores_lock_is_held_by_a_thread_stuck_in_io
     store.close()
 
 
+def test_an_engine_over_a_store_closed_under_it_computes_everything(v3, tmp_path):
+    """Shutdown order gone wrong (the store's owner closed it first): misses, never a wedged step."""
+    model = v3.ours
+    prompt = prompt_ids(45, seed=35)
+    store = open_store(tmp_path)
+    producer, connector = saved_by_a_producer(model, store, prompt)
+    consumer, recorder, _ = engine_over(model, store)
+    store.close()
+    [out] = consumer.run([Request(prompt, NEW)])
+    assert (out.error, out.stats.connector_hit_tokens, out.stats.computed_prompt_tokens) == (None, 0, 45)
+    assert_matches_cold(model, recorder, prompt, out.output_ids, computed_from=0)
+    consumer.check_integrity()
+
+
 def test_a_store_that_dropped_the_indexer_keys_is_a_miss_never_a_partial_hit(v32, tmp_path):
     """V3.2 blocks carry the indexer keys as a component of the same block. A store that kept
     only the latents would either write blocks of the wrong size (refused) or write them under
