@@ -58,12 +58,6 @@ class Scheduler:
             taken.add(seq.request_id)
         self.waiting.extend(seqs)
 
-    def _check_fits(self, seq: Sequence) -> None:
-        longest = seq.num_prompt_tokens + seq.request.max_new_tokens
-        if self.blocks.pages_for(longest) > self.blocks.pool.num_pages:
-            raise ValueError(f"{seq.request_id} may reach {longest} tokens = {self.blocks.pages_for(longest)} "
-                             f"pages; the pool has {self.blocks.pool.num_pages}")
-
     @property
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -115,6 +109,12 @@ class Scheduler:
         self.running.remove(seq)
         self.blocks.free(seq)
         return seq.output(error)
+
+    def _check_fits(self, seq: Sequence) -> None:
+        longest = seq.num_prompt_tokens + seq.request.max_new_tokens
+        if self.blocks.pages_for(longest) > self.blocks.pool.num_pages:
+            raise ValueError(f"{seq.request_id} may reach {longest} tokens = {self.blocks.pages_for(longest)} "
+                             f"pages; the pool has {self.blocks.pool.num_pages}")
 
     def _reserve(self, seq: Sequence, count: int) -> bool:
         """Pages for ``count`` more tokens of ``seq``, preempting from the back; False if ``seq`` itself went."""
