@@ -118,7 +118,11 @@ def replay(
         raise InvalidRequest(f"capacity of {capacity_tokens} tokens is below one {block_tokens}-token block per tier")
     namespace = Namespace("replay", "trace", 1, _COMPONENTS, block_size=block_tokens)
     spec = BlockSpec.of(namespace)
-    slots = {name: max(1, int(capacity_tokens * share) // block_tokens) for name, share in tiers.shares}
+    slots = {name: int(capacity_tokens * share) // block_tokens for name, share in tiers.shares}
+    for name, count in slots.items():
+        if count < 1:
+            raise InvalidRequest(f"the {name} tier's share of {capacity_tokens} tokens is below one "
+                                 f"{block_tokens}-token block; raise the capacity or its share")
     store = TieredStore([AccountingTier(name, n * spec.block_bytes) for name, n in slots.items()],
                         policy=policy, write_policy=write_policy, background_writes=False)
     started = time.perf_counter()

@@ -45,7 +45,7 @@ def format_summary(result: ReplayResult, trace: str, model: str | None = None) -
         f"  fraction of max         {result.fraction_of_max:7.2%}",
     ]
     if result.optimal_hit_rate is not None:
-        lines.append(f"  Belady optimum          {result.optimal_hit_rate:7.2%} "
+        lines.append(f"  Belady bound            {result.optimal_hit_rate:7.2%} "
                      f"({result.optimal_hit_tokens / max(result.max_hit_tokens, 1):.2%} of max)")
     lines.append("  hits by tier: " + ", ".join(f"{n} {tokens(t)} tokens" for n, t in result.tier_hit_tokens.items()))
     lines.append(f"  replayed in {result.elapsed_s:.1f} s")
@@ -75,7 +75,7 @@ def format_sweep(results: Sequence[ReplayResult], model: str | None = None) -> s
 
 def format_sizing(results: Sequence[ReplayResult], model: str | None = None) -> str:
     """For each fraction of the maximum in ``SIZING_FRACTIONS``: the least capacity measured that
-    keeps it, per policy and for Belady's optimum (what no policy can beat)."""
+    keeps it, per policy and for Belady's bound (what no policy can beat: ``kvstore.belady``)."""
     policies = list(dict.fromkeys(r.policy for r in results))
     curves = {p: [(r.capacity_tokens, r.fraction_of_max) for r in results if r.policy == p] for p in policies}
     curves["belady"] = sorted({(r.capacity_tokens, r.optimal_hit_tokens / max(r.max_hit_tokens, 1))
@@ -127,7 +127,7 @@ def plot_sweep(results: Sequence[ReplayResult], path: str, title: str, model: st
         points = sorted((r.capacity_tokens, r.hit_rate) for r in results if r.policy == policy)
         ax.plot([c / 1e6 for c, _ in points], [h * 100 for _, h in points], marker="o", label=policy)
     optimal = sorted({(r.capacity_tokens, r.optimal_hit_rate) for r in results if r.optimal_hit_rate is not None})
-    ax.plot([c / 1e6 for c, _ in optimal], [h * 100 for _, h in optimal], "k--", marker="x", label="Belady (offline optimum)")
+    ax.plot([c / 1e6 for c, _ in optimal], [h * 100 for _, h in optimal], "k--", marker="x", label="Belady (offline bound)")
     ax.axhline(results[0].max_hit_rate * 100, color="grey", linestyle=":", label="infinite capacity")
     ax.set_xlabel("cache capacity (million tokens)")
     if model is not None:

@@ -1,7 +1,7 @@
 """ReuseARC: ARC over chain leaves with use counts that survive eviction.
 
 Measured with ``kvstore replay`` (fraction of the infinite-capacity maximum, Mooncake synthetic
-trace at 3M tokens): LRU 48.4%, ReuseARC 52.4%, Belady's offline optimum 86.0%. On synthetic
+trace at 3M tokens): LRU 48.4%, ReuseARC 52.4%, Belady's bound 86.1%. On synthetic
 multi-turn chat and agent workloads it beats or ties LRU at every capacity tried (up to +6 points).
 """
 

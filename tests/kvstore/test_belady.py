@@ -1,11 +1,12 @@
-"""Belady's offline optimum: exact on small cases, never beaten by the exhaustive optimum."""
+"""Belady's offline optimum: exact on small cases of full blocks, and with partial blocks a bound
+the exhaustive optimum never exceeds."""
 
 import itertools
 import random
 
 import pytest
 
-from kvstore.belady import infinite_hit_tokens, next_uses, optimal_hit_tokens
+from kvstore.belady import belady_hits, infinite_hit_tokens, next_uses, optimal_hit_tokens
 from kvstore.trace import TraceRequest
 
 
@@ -54,10 +55,21 @@ def test_belady_matches_the_exhaustive_optimum_on_small_traces(seed):
     assert optimal_hit_tokens(trace, capacity, 4) == exhaustive_optimum(trace, capacity, 4)
 
 
-def test_with_unequal_block_weights_belady_is_a_block_optimum_not_a_token_optimum():
-    """Documented limit: a 1-token partial block counts like a full one for Belady."""
+def test_with_partial_blocks_the_bound_holds_where_beladys_own_schedule_falls_short():
+    """A 1-token partial block fills a slot like a full one: Belady's schedule keeps it and gains
+    fewer tokens than the best choice, so the bound counts its block hits at full size."""
     trace = [req(0, tokens=1), req(100), req(0, tokens=1), req(100)]
-    assert optimal_hit_tokens(trace, 1, 4) < exhaustive_optimum(trace, 1, 4) == 4
+    assert belady_hits(trace, 1, 4) == (1, 1)
+    assert belady_hits(trace, 1, 4)[1] < exhaustive_optimum(trace, 1, 4) == 4 == optimal_hit_tokens(trace, 1, 4)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_bound_is_never_below_the_exhaustive_optimum_with_partial_blocks(seed):
+    rng = random.Random(1000 + seed)
+    trace = [req(*r.hash_ids, tokens=4 * len(r.hash_ids) - rng.choice([0, 1, 3]))  # some last blocks partial
+             for r in random_trace(rng, requests=rng.randint(3, 7), chains=rng.randint(1, 3))]
+    capacity = rng.randint(1, 3)
+    assert optimal_hit_tokens(trace, capacity, 4) >= exhaustive_optimum(trace, capacity, 4)
 
 
 def test_ties_keep_the_head_of_a_chain():

@@ -98,6 +98,8 @@ def test_bad_tier_splits_are_refused(text):
 def test_capacity_below_one_block_per_tier_is_refused():
     with pytest.raises(InvalidRequest, match="below one"):
         replay([req(1)], capacity_tokens=B // 2)
+    with pytest.raises(InvalidRequest, match="the host tier's share of 2200 tokens is below one"):
+        replay([req(1)], capacity_tokens=2200, tiers=TierSplit.parse("host=0.01,disk=0.99"))  # would hold 5 blocks
 
 
 def _kvstore(*args):

@@ -20,11 +20,25 @@ def test_round_trip_and_partial_last_block(tmp_path):
     ('{"input_length": 10, "hash_ids": [-1]}', "non-negative"),
     ('{"input_length": 2000, "hash_ids": [1, 2]}', "cannot hold input_length 2000"),
     ('{"input_length": 512, "hash_ids": [1, 2]}', "is --block-tokens right"),
+    ('[1, 2]', "a JSON list"),
+    ('{"input_length": 5, "hash_ids": "12"}', "hash_ids is a str"),
+    ('{"input_length": 1024.7, "hash_ids": [1, 2]}', "1024.7 is not a whole number"),
+    ('{"input_length": true, "hash_ids": [1]}', "True is not a whole number"),
+    ('{"input_length": 5, "hash_ids": [340282366920938463463374607431768211456]}', r"in \[0, 2\*\*128\)"),
+    ('{"input_length": 600, "hash_ids": [7, 7]}', "a hash id appears twice in one request"),
+    ('{"input_length": 600, "hash_ids": [3, 9]}', "hash id 9 follows id 3 here but nothing .a request's start. at "),
 ])
 def test_malformed_lines_name_the_file_and_line(tmp_path, line, message):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"input_length": 5, "hash_ids": [9]}\n' + line + "\n")
     with pytest.raises(InvalidRequest, match=f"bad.jsonl:2: .*{message}"):
+        read_trace(str(path))
+
+
+def test_an_id_under_two_parents_names_both_lines(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"input_length": 600, "hash_ids": [1, 2]}\n{"input_length": 600, "hash_ids": [5, 2]}\n')
+    with pytest.raises(InvalidRequest, match=r"t.jsonl:2: hash id 2 follows id 5 here but id 1 at .*t.jsonl:1"):
         read_trace(str(path))
 
 
