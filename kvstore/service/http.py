@@ -14,6 +14,10 @@ browser cannot add the header to ``<script>`` and ``<link>`` loads: the page rea
 ``?token=`` once, drops it from the address bar and sends it as that header. No response lets the
 browser send its URL on as a Referer. Nothing here can change the store: every route is a GET.
 
+Without a token, on a loopback address (``local_only``), a request must name a loopback host in
+its ``Host`` header, else 421: a web page whose own name an attacker re-points at 127.0.0.1 (DNS
+rebinding) could otherwise read the dashboard's data from the operator's browser.
+
 ``HttpServer`` runs uvicorn inside the sidecar's event loop (no second process or thread pool).
 """
 
@@ -29,18 +33,22 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvstore.errors import InvalidRequest
+from kvstore.service.http_guard import GuardedH11Protocol
 from kvstore.service.metrics import ServiceMetrics
-from kvstore.service.security import token_matches
+from kvstore.service.security import is_local_address, token_matches
 
 log = logging.getLogger(__name__)
 
 
 def create_http_app(metrics: ServiceMetrics, token: str | None = None, protect_metrics: bool = False,
-                    dashboard=None, serving=lambda: True) -> FastAPI:
-    """The FastAPI app; ``dashboard`` is a ``Dashboard`` (its router is mounted at ``/``) or None."""
+                    dashboard=None, serving=lambda: True, local_only: bool = False) -> FastAPI:
+    """The FastAPI app; ``dashboard`` is a ``Dashboard`` (its router is mounted at ``/``) or None.
+    ``local_only``: served on loopback alone, so without a token a ``Host`` must be loopback too."""
     app = FastAPI(title="kvstore sidecar", description="Metrics and hit-rate dashboard of one KV-cache store",
                   version="1", openapi_url=None, docs_url=None, redoc_url=None)  # the schema: below, guarded
     app.middleware("http")(_no_referrer)
+    if local_only and not token:
+        app.middleware("http")(_loopback_host)
     auth = [Depends(_bearer(token))] if token else []
 
     @app.get("/openapi.json", dependencies=auth, include_in_schema=False)
@@ -79,6 +87,20 @@ async def _no_referrer(request: Request, call_next) -> Response:
     return response
 
 
+async def _loopback_host(request: Request, call_next) -> Response:
+    if not is_local_address(f"{_host_of(request.headers.get('host', ''))}:0"):
+        return PlainTextResponse("this sidecar's HTTP port answers requests for a loopback host (localhost, "
+                                 "127.0.0.1, [::1]) only", status_code=421)
+    return await call_next(request)
+
+
+def _host_of(header: str) -> str:
+    """The host of a ``Host`` header, without its port (``[::1]:8080`` -> ``[::1]``)."""
+    if header.startswith("["):
+        return header[: header.find("]") + 1]
+    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+
+
 class HttpServer:
     """uvicorn serving ``app`` on ``host:port`` as a task of the running event loop."""
 
@@ -86,7 +108,8 @@ class HttpServer:
         host, port = address.rsplit(":", 1)
         self._host, self._port = host.strip("[]"), int(port)
         ssl = {"ssl_certfile": tls[0], "ssl_keyfile": tls[1]} if tls else {}
-        config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, **ssl)
+        config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, http=GuardedH11Protocol,
+                                **ssl)
         self._server = uvicorn.Server(config)
         self._server.install_signal_handlers = lambda: None  # the sidecar owns SIGTERM/SIGINT
         self._task: asyncio.Task | None = None

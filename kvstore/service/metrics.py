@@ -24,10 +24,11 @@ namespaces get ``MODEL/ID8`` (model name, first 8 hex digits of the id), later o
 from __future__ import annotations
 
 import collections
+import re
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -52,19 +53,27 @@ class LookupRecord:
 
 
 class NamespaceLabels:
-    """Bounded label values for namespace ids: ``MODEL/ID8`` for the first ``limit``, then "other"."""
+    """Bounded label values for namespace ids: ``MODEL/ID8`` for the first ``limit``, then "other".
+
+    A client names its model, and a label is repeated in every series of every scrape, so the
+    model part is at most ``MODEL_LABEL_CHARS`` of letters, digits and ``_.-/:`` (others become
+    ``_``): a 3 MB model name made one scrape of /metrics 30 MB."""
+
+    MODEL_LABEL_CHARS = 64
 
     def __init__(self, limit: int):
         self.limit = limit
         self._labels: dict[bytes, str] = {}
         self._lock = threading.Lock()
 
-    def label(self, ns_id: bytes, model: str = "") -> str:
+    def label(self, ns_id: bytes, model_of: Callable[[bytes], str] = lambda ns_id: "") -> str:
+        """``ns_id``'s label; ``model_of(ns_id)`` is asked only when a new label is made."""
         with self._lock:
             found = self._labels.get(ns_id)
             if found is None:
                 if len(self._labels) >= self.limit:
                     return OTHER_NAMESPACE
+                model = re.sub(r"[^\w.\-/:]", "_", model_of(ns_id), flags=re.ASCII)[: self.MODEL_LABEL_CHARS]
                 found = self._labels[ns_id] = f"{model or 'ns'}/{ns_id.hex()[:8]}"
             return found
 
@@ -127,7 +136,7 @@ class ServiceMetrics:
         self.registry.register(DataPlaneCollector(data_plane))
 
     def namespace_label(self, ns_id: bytes) -> str:
-        return self.namespaces.label(ns_id, self._model_of(ns_id))
+        return self.namespaces.label(ns_id, self._model_of)  # a scan of the namespaces only for a new label
 
     def lookup(self, ns_id: bytes, keys: Sequence[bytes], hit_tiers: Sequence[str], seconds: float) -> None:
         """A Lookup of ``keys`` (block hashes) whose contiguous hit was served by ``hit_tiers``."""

@@ -158,7 +158,8 @@ async def serve(config: ServeConfig, store_config: StoreConfig, ready: Callable[
             from kvstore.service.http import HttpServer, create_http_app
 
             dashboard = Dashboard(metrics)
-            app = create_http_app(metrics, token, config.protect_metrics, dashboard, serving=serving.is_set)
+            app = create_http_app(metrics, token, config.protect_metrics, dashboard, serving=serving.is_set,
+                                  local_only=security.is_local_address(config.http_address))
             http = HttpServer(app, config.http_address, (config.tls_cert, config.tls_key) if tls else None)
             url = await http.start()
             sampler = asyncio.create_task(dashboard.run())

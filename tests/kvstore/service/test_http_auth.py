@@ -69,3 +69,16 @@ def test_no_response_sends_a_referer(store, token):
     client = http_client(store, token)
     for path in ("/", "/static/app.js", "/api/summary", "/openapi.json", "/metrics", "/healthz", "/docs"):
         assert client.get(path).headers.get("referrer-policy") == "no-referrer", path
+
+
+@pytest.mark.parametrize("host, status", [
+    ("127.0.0.1:50552", 200), ("localhost:50552", 200), ("[::1]:50552", 200), ("localhost", 200),
+    ("attacker.example:50552", 421), ("attacker.example", 421), ("10.0.0.7:50552", 421), ("", 421),
+])
+def test_without_a_token_on_loopback_only_a_loopback_host_is_answered(store, host, status):
+    """DNS rebinding: a page served as attacker.example, whose name then points at 127.0.0.1,
+    sends its own name as the Host; without a token nothing else would stop it reading the data."""
+    app = TestClient(create_http_app(ServiceMetrics(store), dashboard=Dashboard(ServiceMetrics(store)),
+                                     local_only=True))
+    for path in ("/api/summary", "/metrics", "/openapi.json"):
+        assert app.get(path, headers={"host": host}).status_code == status, path

@@ -158,10 +158,20 @@ def test_slots_of_a_lease_that_expires_or_that_a_get_ends_count_for_nothing(serv
 
 def test_namespace_labels_are_bounded():
     labels = NamespaceLabels(limit=2)
-    assert labels.label(b"\xaa" * 16, "m") == "m/aaaaaaaa"
+    model = lambda ns_id: "m"  # noqa: E731
+    assert labels.label(b"\xaa" * 16, model) == "m/aaaaaaaa"
     assert labels.label(b"\xbb" * 16) == "ns/bbbbbbbb"
-    assert labels.label(b"\xcc" * 16, "m") == "other"
-    assert labels.label(b"\xaa" * 16, "m") == "m/aaaaaaaa", "known ids keep their label"
+    assert labels.label(b"\xcc" * 16, model) == "other"
+    assert labels.label(b"\xaa" * 16, model) == "m/aaaaaaaa", "known ids keep their label"
+
+
+def test_a_namespace_label_keeps_64_plain_characters_of_a_client_chosen_model_name():
+    labels, asked = NamespaceLabels(limit=4), []
+    long_name = "deepseek-ai/DeepSeek-V3.2 \"quoted\"\n" + "x" * 3_000_000
+    assert labels.label(b"\xaa" * 16, lambda ns_id: asked.append(ns_id) or long_name) == (
+        "deepseek-ai/DeepSeek-V3.2__quoted__" + "x" * 29 + "/aaaaaaaa")
+    labels.label(b"\xaa" * 16, lambda ns_id: asked.append(ns_id) or long_name)
+    assert asked == [b"\xaa" * 16], "the model is looked up once, when the label is made"
 
 
 def test_http_app_serves_metrics_and_healthz_and_protects_what_it_must(store):

@@ -1,0 +1,111 @@
+"""The HTTP port's guards against idle clients, on a real uvicorn server over real sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+import pytest
+from fastapi import FastAPI
+
+from kvstore.service import http_guard
+from kvstore.service.http import HttpServer
+
+DEADLINE_S = 0.5
+
+
+@pytest.fixture
+def served(monkeypatch):
+    """A real ``HttpServer`` on a free port, answering ``GET /``; its (host, port)."""
+    monkeypatch.setattr(http_guard, "REQUEST_DEADLINE_S", DEADLINE_S)
+    monkeypatch.setattr(http_guard, "MAX_CONNECTIONS", 4)
+    app = FastAPI()
+    app.get("/")(lambda: {"ok": True})
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    server = HttpServer(app, "127.0.0.1:0")
+    url = asyncio.run_coroutine_threadsafe(server.start(), loop).result(10)
+    yield url.removeprefix("http://").rstrip("/").split(":")
+    asyncio.run_coroutine_threadsafe(server.stop(), loop).result(10)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+
+
+def connect(address) -> socket.socket:
+    return socket.create_connection((address[0], int(address[1])), timeout=5)
+
+
+def closed_within(sock: socket.socket, seconds: float, trickle: bytes = b"") -> bool:
+    """Whether the server closes ``sock`` within ``seconds``, sending ``trickle`` a byte every 0.1 s."""
+    end = time.monotonic() + seconds
+    sock.settimeout(0.1)
+    while time.monotonic() < end:
+        try:
+            if sock.recv(65536) == b"":
+                return True
+        except socket.timeout:
+            pass
+        except ConnectionResetError:
+            return True
+        if trickle:
+            try:
+                sock.send(trickle[:1])
+            except (BrokenPipeError, ConnectionResetError):
+                return True
+            trickle = trickle[1:] or b"x"
+    return False
+
+
+def answered(sock: socket.socket) -> bytes:
+    """Send one request; its whole response (head and Content-Length body)."""
+    sock.sendall(b"GET / HTTP/1.1\r\nHost: localhost\r\n\r\n")
+    sock.settimeout(5)
+    response = b""
+    while b"\r\n\r\n" not in response:
+        response += sock.recv(65536)
+    head, body = response.split(b"\r\n\r\n", 1)
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head + b"\r\n\r\n" + body
+
+
+def test_a_connection_that_sends_nothing_is_closed_at_the_deadline(served):
+    with connect(served) as idle:
+        assert closed_within(idle, DEADLINE_S + 2)
+
+
+def test_a_connection_trickling_its_headers_is_closed_at_the_deadline(served):
+    with connect(served) as slow:
+        slow.sendall(b"GET / HTTP/1.1\r\n")
+        assert closed_within(slow, DEADLINE_S + 2, trickle=b"X-Slow: " + b"y" * 200)
+
+
+def test_after_a_response_the_next_request_has_the_deadline_too(served):
+    with connect(served) as client:
+        assert answered(client).startswith(b"HTTP/1.1 200")
+        client.sendall(b"GET / HTTP/1.1\r\n")  # the next request starts, and never ends
+        assert closed_within(client, DEADLINE_S + 2, trickle=b"X-Slow: " + b"y" * 200)
+
+
+def test_a_prompt_client_is_served_and_kept_alive_past_no_deadline_it_meets(served):
+    with connect(served) as client:
+        for _ in range(3):
+            assert answered(client).startswith(b"HTTP/1.1 200")
+            time.sleep(DEADLINE_S / 2)
+
+
+def test_connections_beyond_the_cap_are_closed_at_once_and_served_again_once_others_go(served):
+    held = [connect(served) for _ in range(4)]
+    try:
+        with connect(served) as extra:
+            assert closed_within(extra, DEADLINE_S / 2), "the fifth connection is closed before any deadline"
+    finally:
+        for sock in held:
+            sock.close()
+    time.sleep(0.2)
+    with connect(served) as client:
+        assert answered(client).startswith(b"HTTP/1.1 200")
