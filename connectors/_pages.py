@@ -243,7 +243,10 @@ class BackgroundLoad(LoadHandle):
 class SaveWriter:
     """One background thread that hands queued saves to ``write(hashes, payloads, parent)``.
 
-    A save that fails is logged and dropped (its blocks stay uncached); ``flush`` waits for every
+    A save that fails is dropped (its blocks stay uncached) and counted in ``failed_saves``; the
+    first failure of a run of them is logged with its traceback, the rest at debug level, and the
+    next save that succeeds says how many failed (a closed store failed every save of a busy
+    engine with a traceback each). ``flush`` waits for every
     save queued so far; ``close`` flushes and ends the thread. The queue holds at most
     ``max_pending_bytes`` of payloads (one save always fits): a store that stops keeping up (a
     hung disk, its lock held) would otherwise grow the engine's memory without bound. A save
@@ -261,6 +264,8 @@ class SaveWriter:
         self._pending_lock = threading.Lock()
         self._dropping = False
         self.dropped_blocks = 0
+        self.failed_saves = 0
+        self._failing = 0  # saves failed since the last one that succeeded
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="kv-save", daemon=True)
         self._thread.start()
@@ -304,7 +309,20 @@ class SaveWriter:
                 finally:
                     with self._pending_lock:
                         self._pending_bytes -= nbytes
+                if self._failing:
+                    self._log.info("saving works again; %d saves failed meanwhile", self._failing)
+                    self._failing = 0
             except Exception:
-                self._log.exception(self._failed_message)
+                self._failed()
             finally:
                 self._queue.task_done()
+
+    def _failed(self) -> None:
+        """Count a save that raised (called in its ``except``): a traceback for the first of a run."""
+        self.failed_saves += 1
+        self._failing += 1
+        if self._failing == 1:
+            self._log.exception("%s (further failures are logged at debug level until a save succeeds)",
+                                self._failed_message)
+        else:
+            self._log.debug(self._failed_message, exc_info=True)

@@ -261,6 +261,31 @@ def test_saves_beyond_the_pending_bound_are_dropped_until_the_store_catches_up(c
     saves.close()
 
 
+def test_a_run_of_failing_saves_logs_one_traceback_and_says_how_many_failed_once_saving_works(caplog):
+    """A store closed under a busy engine failed every save, each with a traceback."""
+    broken, written = [True], []
+
+    def write(hashes, payloads, parent):
+        if broken[0]:
+            raise RuntimeError("the store is closed")
+        written.extend(hashes)
+
+    saves = SaveWriter(write)
+    with caplog.at_level(logging.DEBUG, logger="connectors"):
+        for i in range(50):
+            saves.put([bytes([i])], [np.zeros(10, np.uint8)], None)
+        saves.flush()
+        broken[0] = False
+        saves.put([b"x"], [np.zeros(10, np.uint8)], None)
+        saves.flush()
+    assert saves.failed_saves == 50 and written == [b"x"]
+    loud = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(loud) == 1 and loud[0].exc_info is not None, "one traceback for the run"
+    assert sum(r.levelno == logging.DEBUG and r.exc_info is not None for r in caplog.records) == 49
+    assert any("saving works again; 50 saves failed meanwhile" in r.getMessage() for r in caplog.records)
+    saves.close()
+
+
 def test_one_save_larger_than_the_bound_still_goes():
     written = []
     saves = SaveWriter(lambda hashes, payloads, parent: written.extend(hashes), max_pending_bytes=10)
