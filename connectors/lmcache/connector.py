@@ -22,7 +22,8 @@ LMCache call maps onto the sidecar (``KVStoreClient``):
                                   holds (it indexes hashes, so it cannot name other processes' keys)
 
 Every object is verified after it is copied into LMCache's memory (its key digest, size and
-checksum), so a stale shared-memory slot, a short read or a wrong block is a miss. Nothing raises
+checksum), and its stored description before (``chunk_meta``: the shapes, dtypes and format this
+configuration writes), so a stale shared-memory slot, a short read or a wrong block is a miss. Nothing raises
 into LMCache: a sidecar that is down, a corrupt object, no free memory are all misses (gets,
 lookups) or dropped stores (puts), logged and counted in ``counts()``.
 
@@ -42,14 +43,14 @@ from functools import partial
 from typing import List
 
 import numpy as np
-import torch
 from lmcache.utils import CacheEngineKey
-from lmcache.v1.memory_management import MemoryFormat, MemoryObj
+from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from connectors.lmcache import framing
+from connectors.lmcache.chunk_meta import ChunkGeometry, dtype_name, object_meta
 from connectors.lmcache.config import PluginConfig
-from connectors.lmcache.framing import CorruptObject, ObjectMeta, key_digest
+from connectors.lmcache.framing import CorruptObject, key_digest
 from connectors.lmcache.namespace import lmcache_namespace
 from connectors.sidecar_session import SidecarSession
 from kvstore.buffers import byte_view
@@ -78,6 +79,7 @@ class KVStoreConnector(RemoteConnector):
         self.session = SidecarSession(self.client, self.namespace, settings.address, meanwhile="LMCache sees misses")
         self._batch = limits.max_transfer_blocks
         self._lookup_batch = limits.max_lookup_blocks
+        self.geometry = ChunkGeometry(tuple(self.meta_shapes), tuple(self.meta_dtypes), self.meta_fmt)
         self._pool = ThreadPoolExecutor(settings.workers, thread_name_prefix="kvstore-lmcache")
         self._scratch = threading.local()  # one [block_bytes] uint8 buffer per worker thread
         self._known: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -88,7 +90,7 @@ class KVStoreConnector(RemoteConnector):
         """Everything besides model and chunk size that decides an object's bytes."""
         return {"kv_shape": "x".join(map(str, metadata.kv_shape)), "use_mla": str(bool(metadata.use_mla)).lower(),
                 "shapes": ";".join("x".join(map(str, s)) for s in self.meta_shapes),
-                "dtypes": ",".join(_dtype_name(d) for d in self.meta_dtypes), "fmt": self.meta_fmt.name}
+                "dtypes": ",".join(dtype_name(d) for d in self.meta_dtypes), "fmt": self.meta_fmt.name}
 
     # ---- lookups -----------------------------------------------------------------------
 
@@ -235,10 +237,13 @@ class KVStoreConnector(RemoteConnector):
         the block is not a valid object of ``digest`` or there is no memory (both counted)."""
         try:
             header = framing.read_header(block, digest)
-            shapes, dtypes, fmt = _torch_meta(header.meta)
+            shapes, dtypes, fmt = self.geometry.allocation(header.meta)
         except CorruptObject as exc:
             return self._corrupt(digest, exc)
-        obj = self.local_cpu_backend.allocate(shapes, dtypes, fmt, busy_loop=False)
+        try:
+            obj = self.local_cpu_backend.allocate(shapes, dtypes, fmt, busy_loop=False)
+        except Exception as exc:  # LMCache refused the description: as corrupt as a bad checksum
+            return self._corrupt(digest, CorruptObject(f"LMCache cannot allocate it: {exc}"))
         if obj is None:
             self._count(no_memory=1)
             return None
@@ -276,7 +281,7 @@ class KVStoreConnector(RemoteConnector):
         for done, (key, obj) in enumerate(zip(keys, objs)):
             digest = key_digest(key.to_string())
             try:
-                framing.frame(block, digest, byte_view(obj.byte_array), _object_meta(obj))
+                framing.frame(block, digest, byte_view(obj.byte_array), object_meta(obj))
             except ValueError as exc:  # larger than a full chunk: a serde other than "naive"
                 log.warning("not storing %s on the kvstore sidecar: %s", key.to_string(), exc)
                 self._count(put_failures=1)
@@ -376,25 +381,6 @@ class KVStoreConnector(RemoteConnector):
         log.warning("kvstore sidecar: block %s is not a valid LMCache object (%s); it counts as a miss",
                     digest.hex(), exc)
         self._count(corrupt=1)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _object_meta(obj: MemoryObj) -> ObjectMeta:
-    meta = obj.metadata
-    shapes = meta.shapes or [meta.shape]
-    dtypes = meta.dtypes or [meta.dtype]
-    return ObjectMeta(tuple(tuple(s) for s in shapes), tuple(_dtype_name(d) for d in dtypes), meta.fmt.name)
-
-
-def _torch_meta(meta: ObjectMeta) -> tuple[list[torch.Size], list[torch.dtype], MemoryFormat]:
-    """``meta`` as LMCache's allocate() takes it; ``CorruptObject`` for names this LMCache does not know."""
-    dtypes = [getattr(torch, name, None) for name in meta.dtypes]
-    if not all(isinstance(d, torch.dtype) for d in dtypes) or meta.fmt not in MemoryFormat.__members__:
-        raise CorruptObject(f"unknown dtypes {meta.dtypes} or memory format {meta.fmt!r}")
-    return [torch.Size(s) for s in meta.shapes], dtypes, MemoryFormat[meta.fmt]
 
 
 def _free(objs: list[MemoryObj]) -> None:

@@ -19,6 +19,7 @@ from tests.kvstore.service.test_serve_process import REPO, start_serving
 
 LMCACHE_PYTHON_ENV = "KVSTORE_LMCACHE_PYTHON"
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "engine_worker.py")
+FAULT_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fault_worker.py")
 ENGINE_TIMEOUT_S = 240
 
 
@@ -37,10 +38,11 @@ def lmcache_py() -> str:
     return python
 
 
-def run_engine(python: str, **args) -> dict:
-    """Run one ``engine_worker.py`` action in a fresh LMCache process; its RESULT, or fail with its output."""
+def run_engine(python: str, worker: str = WORKER, **args) -> dict:
+    """Run one ``worker`` action (``engine_worker.py``; ``fault_worker.py``: a scenario) in a fresh
+    LMCache process; its RESULT, or fail with its output."""
     env = {**os.environ, "PYTHONPATH": REPO, "PYTHONHASHSEED": "0"}  # LMCache hashes tokens with hash()
-    done = subprocess.run([python, WORKER, json.dumps(args)], capture_output=True, text=True, env=env,
+    done = subprocess.run([python, worker, json.dumps(args)], capture_output=True, text=True, env=env,
                           timeout=ENGINE_TIMEOUT_S, cwd=REPO)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode != 0 or not lines:
