@@ -7,6 +7,7 @@ sidecar (``kvstore serve``) behind it as its remote storage.
     namespace.py  the store namespace of one LMCache configuration, and its block geometry
     framing.py    one variable-size object in one fixed-size block, with its metadata and checksum
     chunk_meta.py an object's description (shapes, dtypes, format), checked against this configuration's
+    workers.py    the threads for the blocking sidecar calls; cancelled calls stop, closed ones answer misses
     cpu_engine.py a real LMCacheEngine on the CPU over a paged cache (tests, benchmark, trying it out)
 
 Install it with ``pip install .[lmcache]`` (after a CPU or CUDA torch). The plugin knows LMCache's

@@ -23,13 +23,15 @@ LMCache call maps onto the sidecar (``KVStoreClient``):
 
 Every object is verified after it is copied into LMCache's memory (its key digest, size and
 checksum), and its stored description before (``chunk_meta``: the shapes, dtypes and format this
-configuration writes), so a stale shared-memory slot, a short read or a wrong block is a miss. Nothing raises
-into LMCache: a sidecar that is down, a corrupt object, no free memory are all misses (gets,
-lookups) or dropped stores (puts), logged and counted in ``counts()``.
+configuration writes), so a stale shared-memory slot, a short read or a wrong block is a miss.
+Nothing raises into LMCache: a sidecar that is down, a corrupt object, no free memory, a call after
+``close`` are all misses (gets, lookups) or dropped stores (puts), logged and counted in ``counts()``.
 
-Ownership: a returned MemoryObj holds one reference, LMCache's. ``put`` never changes the object's
-reference count (LMCache's wrapper drops its reference once ``put`` returns). Threads: LMCache runs
-the async methods on its event loop; the blocking sidecar calls run on ``workers`` threads.
+Ownership: a returned MemoryObj holds one reference, LMCache's; the objects of a get LMCache gave
+up on (cancelled) are freed here. ``put`` never changes the object's reference count (LMCache's
+wrapper drops its reference once ``put`` returns). Threads (``workers.py``): LMCache runs the async methods on its event
+loop and the sync lookups on its own threads; the blocking sidecar calls run on ``workers``
+threads, and a cancelled call stops before its next sidecar call. ``close`` never blocks the loop.
 """
 
 from __future__ import annotations
@@ -38,10 +40,10 @@ import asyncio
 import collections
 import logging
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import List
 
+import grpc
 import numpy as np
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryObj
@@ -52,6 +54,7 @@ from connectors.lmcache.chunk_meta import ChunkGeometry, dtype_name, object_meta
 from connectors.lmcache.config import PluginConfig
 from connectors.lmcache.framing import CorruptObject, key_digest
 from connectors.lmcache.namespace import lmcache_namespace
+from connectors.lmcache.workers import Call, Workers
 from connectors.sidecar_session import SidecarSession
 from kvstore.buffers import byte_view
 from kvstore.layout import BlockSpec
@@ -60,6 +63,7 @@ from kvstore.service.limits import ServiceLimits
 
 log = logging.getLogger(__name__)
 KNOWN_KEYS = 65536  # key strings remembered for list(): about 10 MB
+PING_CLOSED = grpc.StatusCode.CANCELLED.value[0]  # ping's answer once the connector is closed
 
 
 class KVStoreConnector(RemoteConnector):
@@ -80,7 +84,7 @@ class KVStoreConnector(RemoteConnector):
         self._batch = limits.max_transfer_blocks
         self._lookup_batch = limits.max_lookup_blocks
         self.geometry = ChunkGeometry(tuple(self.meta_shapes), tuple(self.meta_dtypes), self.meta_fmt)
-        self._pool = ThreadPoolExecutor(settings.workers, thread_name_prefix="kvstore-lmcache")
+        self._workers = Workers(settings.workers, "kvstore-lmcache")
         self._scratch = threading.local()  # one [block_bytes] uint8 buffer per worker thread
         self._known: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._counts: collections.Counter[str] = collections.Counter()
@@ -95,7 +99,7 @@ class KVStoreConnector(RemoteConnector):
     # ---- lookups -----------------------------------------------------------------------
 
     async def exists(self, key: CacheEngineKey) -> bool:
-        return await self._run(self.exists_sync, key)
+        return await self._workers.run(0, self._count_present, [key]) == 1
 
     def exists_sync(self, key: CacheEngineKey) -> bool:
         return self.batched_contains([key]) == 1
@@ -104,11 +108,18 @@ class KVStoreConnector(RemoteConnector):
         return True
 
     def batched_contains(self, keys: List[CacheEngineKey]) -> int:
-        """How many leading ``keys`` the sidecar holds (0 when it cannot be reached)."""
+        """How many leading ``keys`` the sidecar holds (0 when it cannot be reached or after close);
+        runs on the caller's thread."""
+        with self._workers.admitted() as call:
+            return 0 if call is None else self._count_present(call, keys)
+
+    def _count_present(self, call: Call, keys: List[CacheEngineKey]) -> int:
         digests = [key_digest(k.to_string()) for k in keys]
         found = 0
         try:
             for start in range(0, len(digests), self._lookup_batch):
+                if call.stopped:
+                    break
                 batch = digests[start : start + self._lookup_batch]
                 hit = self._lookup(batch)
                 found += hit
@@ -128,7 +139,7 @@ class KVStoreConnector(RemoteConnector):
         return True
 
     async def batched_async_contains(self, lookup_id: str, keys: List[CacheEngineKey], pin: bool = False) -> int:
-        return await self._run(self.batched_contains, keys)
+        return await self._workers.run(0, self._count_present, keys)
 
     # ---- gets --------------------------------------------------------------------------
 
@@ -140,22 +151,29 @@ class KVStoreConnector(RemoteConnector):
 
     async def batched_get(self, keys: List[CacheEngineKey]) -> List[MemoryObj | None]:
         """The objects of the leading keys present, then None for the rest."""
-        objs = await self._run(self._get_leading, keys)
+        objs = await self._get(keys)
         return objs + [None] * (len(keys) - len(objs))
 
     def support_batched_get_non_blocking(self) -> bool:
         return True
 
     async def batched_get_non_blocking(self, lookup_id: str, keys: List[CacheEngineKey]) -> List[MemoryObj]:
-        return await self._run(self._get_leading, keys)
+        return await self._get(keys)
 
-    def _get_leading(self, keys: List[CacheEngineKey]) -> List[MemoryObj]:
+    async def _get(self, keys: List[CacheEngineKey]) -> List[MemoryObj]:
+        """The objects of the leading keys present. Cancelled (LMCache stopped waiting), the worker
+        stops before its next sidecar call and the objects it rebuilt anyway are freed here."""
+        return await self._workers.run([], self._get_leading, keys, unclaimed=self._free_unclaimed)
+
+    def _get_leading(self, call: Call, keys: List[CacheEngineKey]) -> List[MemoryObj]:
         digests = [key_digest(k.to_string()) for k in keys]
         objs: list[MemoryObj] = []
         try:
             for start in range(0, len(digests), self._batch):
+                if call.stopped:
+                    break
                 batch = digests[start : start + self._batch]
-                objs += self._get_batch(batch)
+                objs += self._get_batch(call, batch)
                 if len(objs) < start + len(batch):
                     break
         except Exception as exc:  # what was copied and verified before the failure stays valid
@@ -164,24 +182,24 @@ class KVStoreConnector(RemoteConnector):
         self._remember(k.to_string() for k in keys[: len(objs)])
         return objs
 
-    def _get_batch(self, digests: List[bytes]) -> List[MemoryObj]:
+    def _get_batch(self, call: Call, digests: List[bytes]) -> List[MemoryObj]:
         """The leading objects of ``digests`` (at most max_transfer_blocks), shared memory (or the
-        data plane) first."""
+        data plane) first; fewer once ``call`` is stopped."""
         grant = self.session.call(partial(self.client.get_slots, self.session.ns_id, digests,
                                           self.settings.lease_ttl_s))
         if grant.lease_id is None:  # nothing present, or no lease to be had: then Get copes alone
-            return self._fetch(digests) if grant.lease_refused else []
+            return self._fetch(call, digests) if grant.lease_refused else []
         objs: list[MemoryObj] = []
         from_slots = 0  # the objects rebuilt from the grant's slots (for the sidecar's metrics)
         try:
             slots = self.client.slot_views(grant)  # the leading hit blocks in mapped host memory
             if not slots and grant.slots:  # another host: the data plane streams them
-                objs, complete = self._stream(grant, digests)
+                objs, complete = self._stream(call, grant, digests)
                 from_slots = len(objs)
                 self._count(hits_data_plane=len(objs))
-                return objs + self._fetch(digests[len(objs) : grant.hit_blocks]) if complete else objs
+                return objs + self._fetch(call, digests[len(objs) : grant.hit_blocks]) if complete else objs
             for digest, slot in zip(digests, slots):
-                obj = self._rebuild(digest, slot)
+                obj = None if call.stopped else self._rebuild(digest, slot)
                 if obj is None:
                     break
                 objs.append(obj)
@@ -189,7 +207,7 @@ class KVStoreConnector(RemoteConnector):
             self._count(hits_shared_memory=len(objs))
             if len(objs) < len(slots):
                 return objs
-            return objs + self._fetch(digests[len(objs) : grant.hit_blocks])
+            return objs + self._fetch(call, digests[len(objs) : grant.hit_blocks])
         except BaseException:
             _free(objs)
             from_slots = 0
@@ -197,14 +215,16 @@ class KVStoreConnector(RemoteConnector):
         finally:
             self._release(grant, from_slots)
 
-    def _stream(self, grant, digests: List[bytes]) -> tuple[List[MemoryObj], bool]:
+    def _stream(self, call: Call, grant, digests: List[bytes]) -> tuple[List[MemoryObj], bool]:
         """The grant's slots through the data plane, one at a time into the scratch block. Returns
-        the objects and whether every slot was served (False: an object was corrupt or there was
-        no memory, so the caller stops there; a failed stream leaves the rest to Get)."""
+        the objects and whether every slot was served (False: an object was corrupt, there was no
+        memory or ``call`` stopped, so the caller stops there; a failed stream leaves the rest to Get)."""
         block = self._scratch_block()
         objs: list[MemoryObj] = []
         try:
             for index, digest in enumerate(digests[: len(grant.slots)]):
+                if call.stopped:
+                    return objs, False
                 if self.client.stream_slots(grant, [block], index) != 1:
                     break
                 obj = self._rebuild(digest, block)
@@ -216,12 +236,15 @@ class KVStoreConnector(RemoteConnector):
             raise
         return objs, True
 
-    def _fetch(self, digests: List[bytes]) -> List[MemoryObj]:
-        """The leading objects of ``digests`` through Get, one block at a time into the scratch block."""
+    def _fetch(self, call: Call, digests: List[bytes]) -> List[MemoryObj]:
+        """The leading objects of ``digests`` through Get, one block at a time into the scratch
+        block, until ``call`` stops."""
         block = self._scratch_block()
         objs: list[MemoryObj] = []
         try:
             for digest in digests:
+                if call.stopped:
+                    break
                 loaded = self.session.call(partial(self.client.load, self.session.ns_id, [digest], [block]))
                 obj = self._rebuild(digest, block) if loaded.complete else None
                 if obj is None:
@@ -267,15 +290,15 @@ class KVStoreConnector(RemoteConnector):
     # ---- puts --------------------------------------------------------------------------
 
     async def put(self, key: CacheEngineKey, memory_obj: MemoryObj) -> None:
-        await self._run(self._put_all, [key], [memory_obj])
+        await self.batched_put([key], [memory_obj])
 
     def support_batched_put(self) -> bool:
         return True
 
     async def batched_put(self, keys: List[CacheEngineKey], memory_objs: List[MemoryObj]) -> None:
-        await self._run(self._put_all, keys, memory_objs)
+        await self._workers.run(None, self._put_all, keys, memory_objs)
 
-    def _put_all(self, keys: List[CacheEngineKey], objs: List[MemoryObj]) -> None:
+    def _put_all(self, call: Call, keys: List[CacheEngineKey], objs: List[MemoryObj]) -> None:
         put = self.client.put_shm if self.settings.shared_memory else self.client.put
         block = self._scratch_block()
         for done, (key, obj) in enumerate(zip(keys, objs)):
@@ -303,9 +326,9 @@ class KVStoreConnector(RemoteConnector):
 
     async def ping(self) -> int:
         """0 when the sidecar answers, else the gRPC status code's number (14: UNAVAILABLE)."""
-        return await self._run(self._ping)
+        return await self._workers.run(PING_CLOSED, self._ping)
 
-    def _ping(self) -> int:
+    def _ping(self, call: Call) -> int:
         try:
             self.session.register()
         except Exception as exc:
@@ -315,16 +338,17 @@ class KVStoreConnector(RemoteConnector):
         return 0
 
     async def list(self) -> List[str]:
-        return await self._run(self._list_known)
+        return await self._workers.run([], self._list_known)
 
-    def _list_known(self) -> List[str]:
+    def _list_known(self, call: Call) -> List[str]:
         with self._lock:
             keys = list(self._known)
         digests = [key_digest(k) for k in keys]
         present: list[str] = []
         start = 0
         try:
-            while start < len(keys):  # each Lookup answers the leading run present, so skip one miss per call
+            # each Lookup answers the leading run present, so skip one miss per call
+            while start < len(keys) and not call.stopped:
                 batch = digests[start : start + self._lookup_batch]
                 hit = self._lookup(batch)
                 present += keys[start : start + hit]
@@ -338,12 +362,19 @@ class KVStoreConnector(RemoteConnector):
         return False
 
     async def close(self) -> None:
-        self._pool.shutdown(wait=True)
-        self.client.close()
+        """Idempotent, and off LMCache's loop: calls from now on answer closed (misses, no-ops,
+        ``PING_CLOSED``) at once; the calls under way finish (a get before its next sidecar call),
+        then the client closes."""
+        await asyncio.to_thread(self._close)
+
+    def _close(self) -> None:
+        if self._workers.close():
+            self.client.close()
 
     def counts(self) -> dict[str, int]:
         """What this connector did so far: stored, duplicates, rejected, put_failures, hits,
-        hits_shared_memory, hits_data_plane, corrupt, no_memory, call_failures."""
+        hits_shared_memory, hits_data_plane, unclaimed (objects of cancelled gets, freed here),
+        corrupt, no_memory, call_failures."""
         with self._lock:
             return dict(self._counts)
 
@@ -351,9 +382,6 @@ class KVStoreConnector(RemoteConnector):
         return f"<KVStoreConnector {self.settings.address} {self.namespace.model}/{self.session.ns_id.hex()[:8]}>"
 
     # ---- internals ---------------------------------------------------------------------
-
-    async def _run(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     def _scratch_block(self) -> np.ndarray:
         block = getattr(self._scratch, "block", None)
@@ -376,6 +404,11 @@ class KVStoreConnector(RemoteConnector):
     def _failed(self, what: str, exc: Exception) -> None:
         self._count(call_failures=1)
         self.session.failed(what, exc)
+
+    def _free_unclaimed(self, objs: List[MemoryObj]) -> None:
+        """Free the objects of a get whose caller was cancelled: nobody else holds them."""
+        _free(objs)
+        self._count(unclaimed=len(objs))
 
     def _corrupt(self, digest: bytes, exc: CorruptObject) -> None:
         log.warning("kvstore sidecar: block %s is not a valid LMCache object (%s); it counts as a miss",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import urllib.request
 
@@ -74,6 +75,7 @@ class SidecarProcess:
 
     def stop(self) -> None:
         if self.process.poll() is None:
+            self.process.send_signal(signal.SIGCONT)  # a scenario that paused it may have failed midway
             self.process.terminate()
             self.process.wait(60)
 

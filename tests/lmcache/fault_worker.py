@@ -1,21 +1,28 @@
 """LMCache engine scenarios the plugin must survive, one per process, for ``test_faults.py``. Run
 it with the LMCache environment's python (``conftest.run_engine(..., worker=FAULT_WORKER)`` does):
 
-    python fault_worker.py '{"scenario": "planted_descriptions", "address": "127.0.0.1:PORT", "cases": {...}}'
+    python fault_worker.py '{"scenario": "cancelled_gets", "address": "127.0.0.1:PORT", "sidecar_pid": PID}'
 
+A slow sidecar is the real one paused with SIGSTOP (``paused``): its calls wait, then succeed.
 Engines have 16 layers (4.7 MB chunks) and ``blocking_timeout_secs`` 1 unless a scenario says
 otherwise. Prints one line ``RESULT {json}`` and ends with ``os._exit`` (LMCache's threads).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
+import signal
 import sys
+import threading
+import time
 import traceback
 
 MODEL = "deepseek-ai/DeepSeek-V3"
 LAYERS = 16
+SLOTS = 4096
 
 
 class Harness:
@@ -28,7 +35,7 @@ class Harness:
         from connectors.lmcache import cpu_engine as lmc
         from connectors.lmcache.config import plugin_extra_config
 
-        self.lmc = lmc
+        self.lmc, self.pid = lmc, args["sidecar_pid"]
         remote = plugin_extra_config(args["address"], **(options or {}))
         remote["extra_config"].update(extra)
         remote["blocking_timeout_secs"] = blocking_timeout_s
@@ -42,9 +49,136 @@ class Harness:
         prompt = self.lmc.make_prompt(seed, tokens, LAYERS)
         return [key for _, _, key in self.engine.token_database.process_tokens(prompt.tokens)]
 
+    def store(self, seed: int, tokens: int):
+        prompt = self.lmc.make_prompt(seed, tokens, LAYERS)
+        puts = self.lmc.PutTracker(self.engine)
+        self.lmc.store_prompt(self.engine, prompt, self.lmc.paged_cache(LAYERS, SLOTS),
+                              self.lmc.slot_mapping(seed, tokens, SLOTS))
+        puts.wait()
+        return prompt
+
+    def retrieve(self, prompt) -> dict:
+        cache, slots = self.lmc.paged_cache(LAYERS, SLOTS), self.lmc.slot_mapping(99, len(prompt.tokens), SLOTS)
+        retrieved = self.lmc.retrieve_prompt(self.engine, prompt, cache, slots)
+        return {"retrieved": retrieved, "exact": self.lmc.holds_prompt(cache, slots, prompt, retrieved)}
+
+    def on_loop(self, coroutine, timeout_s: float = 60):
+        return asyncio.run_coroutine_threadsafe(coroutine, self.backend.loop).result(timeout_s)
+
+    @contextlib.contextmanager
+    def paused(self, seconds: float):
+        """The sidecar stopped now and resumed ``seconds`` later (at the latest when the block exits)."""
+        os.kill(self.pid, signal.SIGSTOP)
+        timer = threading.Timer(seconds, os.kill, (self.pid, signal.SIGCONT))
+        timer.start()
+        try:
+            yield timer
+        finally:
+            timer.join()
+            os.kill(self.pid, signal.SIGCONT)
+
+    def allocate_chunk(self):
+        """A full MLA chunk from LMCache's CPU backend, with one reference (the caller's)."""
+        import torch
+        from lmcache.v1.memory_management import MemoryFormat
+
+        return self.cpu.allocate(torch.Size([1, LAYERS, 256, 576]), torch.bfloat16, MemoryFormat.KV_MLA_FMT)
+
+    def free_pages(self) -> int:
+        """Free pages of the paged allocator (``rust_raw_block.use_uring``)."""
+        return len(self.cpu.memory_allocator.pin_allocator.free_blocks)
+
     def active_objects(self) -> int:
         allocator = self.cpu.memory_allocator
         return getattr(allocator, "pin_allocator", allocator).num_active_allocations
+
+
+def cancelled_gets(args: dict) -> dict:
+    """Gets LMCache gives up on (its 1 s timeout against a sidecar paused 2.5 s), three times, with
+    the paged allocator LMCache uses for io_uring (pages recycled; a lost one is lost for good);
+    then a healthy retrieve that needs 4 of the 6 pages."""
+    h = Harness(args, cpu_buffer_gb=6 * 4_718_592 / 1024**3, **{"rust_raw_block.use_uring": True})
+    prompt = h.store(7, 1024)
+    keys, total = h.keys(7, 1024), h.free_pages()
+    calls = [lambda: h.backend.batched_get_blocking(keys),
+             lambda: h.on_loop(h.backend.batched_get_non_blocking("lookup", keys)),
+             lambda: h.backend.batched_get_blocking(keys)]
+    answers, free_after = [], []
+    for call in calls:
+        with h.paused(2.5):
+            answers.append(sum(obj is not None for obj in call()))
+        time.sleep(1.0)  # the worker's call returned with the sidecar; what it does after takes ms
+        free_after.append(h.free_pages())
+    return {"total_pages": total, "answers": answers, "free_after": free_after, **h.retrieve(prompt),
+            "free_at_end": h.free_pages(), "counts": h.connector.counts()}
+
+
+CLOSED_CALLS = {
+    "batched_contains": lambda h, keys: h.connector.batched_contains(keys),
+    "exists_sync": lambda h, keys: h.connector.exists_sync(keys[0]),
+    "batched_get": lambda h, keys: sum(o is not None for o in h.on_loop(h.connector.batched_get(keys))),
+    "batched_get_non_blocking": lambda h, keys: len(h.on_loop(h.connector.batched_get_non_blocking("l", keys))),
+    "exists": lambda h, keys: h.on_loop(h.connector.exists(keys[0])),
+    "batched_async_contains": lambda h, keys: h.on_loop(h.connector.batched_async_contains("l", keys)),
+    "ping": lambda h, keys: h.on_loop(h.connector.ping()),
+    "list": lambda h, keys: h.on_loop(h.connector.list()),
+    "batched_put": lambda h, keys: _put_fresh(h, keys),
+}
+
+
+def _put_fresh(h: Harness, keys: list) -> int:
+    """Put one freshly allocated object the way LMCache's wrapper does (its reference dropped after);
+    the objects still allocated afterwards."""
+    obj = h.allocate_chunk()
+    h.on_loop(h.backend.connection.batched_put(keys[:1], [obj]))
+    return h.active_objects()
+
+
+def after_close(args: dict) -> dict:
+    """LMCache closes the backend, then makes ``args["calls"]`` (names of ``CLOSED_CALLS``) in order:
+    what each answered, or what it raised."""
+    h = Harness(args)
+    h.store(5, 512)
+    keys = h.keys(5, 512)
+    h.backend.close()
+    answers = {}
+    for name in args["calls"]:
+        try:
+            answers[name] = CLOSED_CALLS[name](h, keys)
+        except BaseException as exc:
+            answers[name] = f"raised {type(exc).__name__}: {exc}"
+    return {"answers": answers, "counts": h.connector.counts()}
+
+
+def close_during_calls(args: dict) -> dict:
+    """With the sidecar paused 3 s, a get in flight on LMCache's loop and a lookup in flight on a
+    thread of LMCache's; then LMCache closes the backend from another thread. How long a no-op
+    coroutine waited for the loop, how long close took, what the two calls answered (the lookup may
+    wait 10 s: ``lookup_timeout_s``)."""
+    h = Harness(args, blocking_timeout_s=30, options={"lookup_timeout_s": 10})
+    h.store(6, 1024)
+    keys, lookup = h.keys(6, 1024), {}
+    with h.paused(3.0):
+        get = asyncio.run_coroutine_threadsafe(h.connector.batched_get(keys), h.backend.loop)
+        looker = threading.Thread(target=lambda: lookup.update(found=h.connector.batched_contains(keys)))
+        looker.start()
+        time.sleep(0.3)
+        started = time.monotonic()
+        closer = threading.Thread(target=h.backend.close)
+        closer.start()
+        time.sleep(0.3)
+        tick = time.monotonic()
+        h.on_loop(asyncio.sleep(0))
+        loop_wait_s = time.monotonic() - tick
+        closer.join(60)
+        close_s = time.monotonic() - started
+    objs = get.result(10)
+    looker.join(10)
+    got = [obj for obj in objs if obj is not None]
+    for obj in got:
+        obj.ref_count_down()
+    return {"loop_wait_s": loop_wait_s, "close_s": close_s, "get_answer": len(objs), "lookup": lookup.get("found"),
+            "active_objects": h.active_objects(), "counts": h.connector.counts()}
 
 
 def planted_descriptions(args: dict) -> dict:
@@ -79,7 +213,7 @@ def planted_descriptions(args: dict) -> dict:
     return {"results": results, "active_objects": h.active_objects()}
 
 
-SCENARIOS = {f.__name__: f for f in (planted_descriptions,)}
+SCENARIOS = {f.__name__: f for f in (cancelled_gets, after_close, close_during_calls, planted_descriptions)}
 
 
 if __name__ == "__main__":

@@ -1,8 +1,11 @@
-"""The plugin under the faults LMCache and the sidecar put it through: blocks whose description lies
-about their bytes. Each scenario is a real LMCache engine in its own process (``fault_worker.py``)
-over a real sidecar."""
+"""The plugin under the faults LMCache and the sidecar put it through: gets LMCache cancels,
+calls during and after ``close``, blocks whose description lies about their bytes. Each scenario is
+a real LMCache engine in its own process (``fault_worker.py``) over a real sidecar, which the
+scenario pauses with SIGSTOP to make it slow."""
 
 from __future__ import annotations
+
+import grpc
 
 from tests.lmcache.conftest import FAULT_WORKER, run_engine
 
@@ -11,7 +14,44 @@ CHUNK_BYTES = 16 * 256 * 1152
 
 
 def scenario(lmcache_py, sidecar, name: str, **args) -> dict:
-    return run_engine(lmcache_py, FAULT_WORKER, scenario=name, address=sidecar.address, **args)
+    return run_engine(lmcache_py, FAULT_WORKER, scenario=name, address=sidecar.address,
+                      sidecar_pid=sidecar.process.pid, **args)
+
+
+def test_gets_lmcache_gives_up_on_free_their_pages_and_a_later_retrieve_gets_everything(lmcache_py, sidecar):
+    result = scenario(lmcache_py, sidecar, "cancelled_gets")
+
+    assert result["total_pages"] == 6
+    assert result["answers"] == [0, 0, 0], "LMCache stopped waiting after 1 s each time"
+    assert result["free_after"] == [6, 6, 6], "no page held by an object nobody received"
+    assert result["retrieved"] == 1024 and result["exact"]
+    assert result["free_at_end"] == 6
+
+
+def test_lookups_on_lmcaches_threads_after_close_are_misses_not_a_crash(lmcache_py, sidecar):
+    result = scenario(lmcache_py, sidecar, "after_close", calls=["batched_contains", "exists_sync"])
+
+    assert result["answers"] == {"batched_contains": 0, "exists_sync": False}
+
+
+def test_every_async_call_after_close_answers_a_miss_and_raises_nothing(lmcache_py, sidecar):
+    calls = ["batched_get", "batched_get_non_blocking", "exists", "batched_async_contains", "ping", "list",
+             "batched_put"]
+    result = scenario(lmcache_py, sidecar, "after_close", calls=calls)
+
+    assert result["answers"] == {"batched_get": 0, "batched_get_non_blocking": 0, "exists": False,
+                                 "batched_async_contains": 0, "ping": grpc.StatusCode.CANCELLED.value[0],
+                                 "list": [], "batched_put": 0}, "batched_put: 0 objects left allocated"
+    assert "call_failures" not in result["counts"]
+
+
+def test_close_waits_for_the_calls_in_flight_without_holding_lmcaches_loop(lmcache_py, sidecar):
+    result = scenario(lmcache_py, sidecar, "close_during_calls")
+
+    assert result["loop_wait_s"] < 0.5, "other backends' coroutines run while close waits"
+    assert result["close_s"] > 2.0, "close returned only once the paused sidecar answered the calls in flight"
+    assert result["lookup"] == 4, "the lookup in flight was answered, not cut off by a closed channel"
+    assert result["get_answer"] == 4 and result["active_objects"] == 0
 
 
 WRONG_DESCRIPTIONS = {  # [shapes, dtypes, format, body bytes], every body checksummed right
