@@ -28,8 +28,9 @@ Nothing raises into LMCache: a sidecar that is down, a corrupt object, no free m
 ``close`` are all misses (gets, lookups) or dropped stores (puts), logged and counted in ``counts()``.
 
 Ownership: a returned MemoryObj holds one reference, LMCache's; the objects of a get LMCache gave
-up on (cancelled) are freed here. ``put`` never changes the object's reference count (LMCache's
-wrapper drops its reference once ``put`` returns). Threads (``workers.py``): LMCache runs the async methods on its event
+up on (cancelled) are freed here. ``put`` takes a reference of its own on each object for as long
+as a worker thread reads it (LMCache's wrapper drops its reference once ``put`` returns or is
+cancelled) and drops it after. Threads (``workers.py``): LMCache runs the async methods on its event
 loop and the sync lookups on its own threads; the blocking sidecar calls run on ``workers``
 threads, and a cancelled call stops before its next sidecar call. ``close`` never blocks the loop.
 """
@@ -296,12 +297,20 @@ class KVStoreConnector(RemoteConnector):
         return True
 
     async def batched_put(self, keys: List[CacheEngineKey], memory_objs: List[MemoryObj]) -> None:
-        await self._workers.run(None, self._put_all, keys, memory_objs)
+        """Store the objects, in order, until one fails. Holds a reference on each while a worker
+        may read it, so a cancelled put never reads memory LMCache has handed out again; cancelled,
+        it stores no object after the one under way."""
+        for obj in memory_objs:
+            obj.ref_count_up()
+        await self._workers.run(None, self._put_all, keys, memory_objs, finished=partial(_free, memory_objs))
 
     def _put_all(self, call: Call, keys: List[CacheEngineKey], objs: List[MemoryObj]) -> None:
         put = self.client.put_shm if self.settings.shared_memory else self.client.put
         block = self._scratch_block()
         for done, (key, obj) in enumerate(zip(keys, objs)):
+            if call.stopped:
+                self._count(put_failures=len(keys) - done)
+                return
             digest = key_digest(key.to_string())
             try:
                 framing.frame(block, digest, byte_view(obj.byte_array), object_meta(obj))
@@ -363,8 +372,8 @@ class KVStoreConnector(RemoteConnector):
 
     async def close(self) -> None:
         """Idempotent, and off LMCache's loop: calls from now on answer closed (misses, no-ops,
-        ``PING_CLOSED``) at once; the calls under way finish (a get before its next sidecar call),
-        then the client closes."""
+        ``PING_CLOSED``) at once; the calls under way finish (a get or put before its next sidecar
+        call), then the client closes."""
         await asyncio.to_thread(self._close)
 
     def _close(self) -> None:

@@ -181,6 +181,35 @@ def close_during_calls(args: dict) -> dict:
             "active_objects": h.active_objects(), "counts": h.connector.counts()}
 
 
+def cancelled_put(args: dict) -> dict:
+    """A batched put of two objects (all 1.0, all 2.0) cancelled while its first sidecar call waits;
+    LMCache's wrapper drops its references at once and LMCache hands the memory out again (all
+    -7.0). What each key then serves, and the objects left allocated besides the two new ones."""
+    import torch
+
+    h = Harness(args)
+    keys = h.keys(3, 512)
+    objs = [h.allocate_chunk() for _ in keys]
+    for value, obj in enumerate(objs, start=1):
+        obj.tensor.fill_(float(value))
+    h.connector.session.register()  # the put's first sidecar call is the put itself
+    with h.paused(2.0):
+        put = asyncio.run_coroutine_threadsafe(h.backend.connection.batched_put(keys, objs), h.backend.loop)
+        time.sleep(0.5)
+        put.cancel()
+        time.sleep(0.2)
+        others = [h.allocate_chunk() for _ in keys]  # another request's KV
+        for other in others:
+            other.tensor.fill_(-7.0)
+    time.sleep(1.0)  # the worker's call returned with the sidecar
+    served = []
+    for obj in h.backend.batched_get_blocking(keys):
+        served.append(None if obj is None else torch.unique(obj.tensor.float()).tolist())
+        if obj is not None:
+            obj.ref_count_down()
+    return {"served": served, "active_objects": h.active_objects() - len(others), "counts": h.connector.counts()}
+
+
 def planted_descriptions(args: dict) -> dict:
     """Per case of ``args["cases"]`` ({name: [shapes, dtypes, fmt, body_bytes]}): chunk 0 of a fresh
     prompt planted right, chunk 1 with that description over right-sized, checksummed bytes. What a
@@ -213,7 +242,8 @@ def planted_descriptions(args: dict) -> dict:
     return {"results": results, "active_objects": h.active_objects()}
 
 
-SCENARIOS = {f.__name__: f for f in (cancelled_gets, after_close, close_during_calls, planted_descriptions)}
+SCENARIOS = {f.__name__: f for f in (cancelled_gets, after_close, close_during_calls, cancelled_put,
+                                      planted_descriptions)}
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The plugin under the faults LMCache and the sidecar put it through: gets LMCache cancels,
+"""The plugin under the faults LMCache and the sidecar put it through: gets and puts LMCache cancels,
 calls during and after ``close``, blocks whose description lies about their bytes. Each scenario is
 a real LMCache engine in its own process (``fault_worker.py``) over a real sidecar, which the
 scenario pauses with SIGSTOP to make it slow."""
@@ -52,6 +52,14 @@ def test_close_waits_for_the_calls_in_flight_without_holding_lmcaches_loop(lmcac
     assert result["close_s"] > 2.0, "close returned only once the paused sidecar answered the calls in flight"
     assert result["lookup"] == 4, "the lookup in flight was answered, not cut off by a closed channel"
     assert result["get_answer"] == 4 and result["active_objects"] == 0
+
+
+def test_a_cancelled_put_never_stores_memory_lmcache_handed_out_again(lmcache_py, sidecar):
+    result = scenario(lmcache_py, sidecar, "cancelled_put")
+
+    assert result["served"] == [[1.0], None], "the object under way is stored; the next is not, nor -7.0"
+    assert result["counts"]["put_failures"] == 1
+    assert result["active_objects"] == 0, "the put's own references were dropped once its thread was done"
 
 
 WRONG_DESCRIPTIONS = {  # [shapes, dtypes, format, body bytes], every body checksummed right
