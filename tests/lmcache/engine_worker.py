@@ -62,13 +62,19 @@ def runtime() -> dict:
             "stub": kvstore_pb2_grpc.KVStoreStub.__module__}
 
 
-if __name__ == "__main__":
+def report(compute) -> None:
+    """Print ``RESULT`` and the JSON of ``compute()`` and exit 0, or print the traceback and exit 1;
+    ``os._exit``, so no thread LMCache left running holds the process."""
     code = 0
     try:
-        print("RESULT " + json.dumps(run(json.loads(sys.argv[1]))), flush=True)
+        print("RESULT " + json.dumps(compute()), flush=True)
     except BaseException:
         traceback.print_exc()
         code = 1
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+if __name__ == "__main__":
+    report(lambda: run(json.loads(sys.argv[1])))

@@ -18,7 +18,6 @@ import signal
 import sys
 import threading
 import time
-import traceback
 
 MODEL = "deepseek-ai/DeepSeek-V3"
 LAYERS = 16
@@ -247,13 +246,7 @@ SCENARIOS = {f.__name__: f for f in (cancelled_gets, after_close, close_during_c
 
 
 if __name__ == "__main__":
-    code = 0
-    try:
-        args = json.loads(sys.argv[1])
-        print("RESULT " + json.dumps(SCENARIOS[args["scenario"]](args)), flush=True)
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    from engine_worker import report  # this script's directory is on sys.path
+
+    args = json.loads(sys.argv[1])
+    report(lambda: SCENARIOS[args["scenario"]](args))
