@@ -7,7 +7,7 @@ documents (Zipf-popular) re-read by several requests, each request adding a uniq
     12,000 requests x 10 blocks  = 120,000 unique suffix blocks   (180,000 distinct in all)
 
 Each policy is replayed through the real store code (accounting tiers) at 10% of the distinct
-footprint; Belady's optimum is timed apart (it is computed outside the store). Prints a table,
+footprint; Belady's bound is timed apart (it is computed outside the store). Prints a table,
 or one JSON object with --json. Fixed seed, medians over --repeats runs.
 
     .venv/bin/python benchmarks/replay_scale.py [--json] [--repeats 3] [--policies lru,adaptive]
