@@ -95,10 +95,12 @@ async def _loopback_host(request: Request, call_next) -> Response:
 
 
 def _host_of(header: str) -> str:
-    """The host of a ``Host`` header, without its port (``[::1]:8080`` -> ``[::1]``)."""
+    """The host of a ``Host`` header, without its port or a trailing dot, lower case (``[::1]:8080``
+    -> ``[::1]``, ``LocalHost.:80`` -> ``localhost``)."""
+    header = header.lower()
     if header.startswith("["):
         return header[: header.find("]") + 1]
-    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+    return (header.rsplit(":", 1)[0] if header.count(":") == 1 else header).rstrip(".")
 
 
 class HttpServer:

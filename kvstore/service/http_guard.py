@@ -49,5 +49,7 @@ class GuardedH11Protocol(H11Protocol):
         self._request_deadline = self.loop.call_later(REQUEST_DEADLINE_S, self._close_if_idle, self.cycle)
 
     def _close_if_idle(self, cycle_then) -> None:
-        if self.cycle is cycle_then and not self.transport.is_closing():
+        """Close unless a request began since (or, pipelined, began at once and is still answered)."""
+        answering = self.cycle is not None and not self.cycle.response_complete
+        if self.cycle is cycle_then and not answering and not self.transport.is_closing():
             self.transport.close()

@@ -49,6 +49,7 @@ class LocalSidecar:
         if what not in line:
             self.process.kill()
             self.process.wait(timeout=30)
+            self.process.stdout.close()
             last = self.log().strip().splitlines()[-1:]
             self._log.close()
             raise KVStoreError(f"the sidecar did not start: {last or line!r}")

@@ -24,6 +24,7 @@ def test_round_trip_and_partial_last_block(tmp_path):
     ('{"input_length": 5, "hash_ids": "12"}', "hash_ids is a str"),
     ('{"input_length": 1024.7, "hash_ids": [1, 2]}', "1024.7 is not a whole number"),
     ('{"input_length": true, "hash_ids": [1]}', "True is not a whole number"),
+    ('{"input_length": 5, "hash_ids": [Infinity]}', "inf is not a whole number"),
     ('{"input_length": 5, "hash_ids": [340282366920938463463374607431768211456]}', r"in \[0, 2\*\*128\)"),
     ('{"input_length": 600, "hash_ids": [7, 7]}', "a hash id appears twice in one request"),
     ('{"input_length": 600, "hash_ids": [3, 9]}', "hash id 9 follows id 3 here but nothing .a request's start. at "),

@@ -181,6 +181,27 @@ def test_namespaces_registered_at_once_do_not_overshoot_the_cap(store, start_ser
     assert len(store.namespaces()) == 2
 
 
+def test_a_registration_its_client_gave_up_on_still_counts_against_the_cap(store, start_server, namespace):
+    """The given-up call's registration goes on (its thread cannot be stopped): the next call must
+    see it before checking the cap."""
+    server = start_server(store, ServiceLimits(max_namespaces=1))
+    requests = [pb.RegisterNamespaceRequest(canonical_json=dataclasses.replace(namespace, cache_salt=salt)
+                                            .canonical_json()) for salt in ("first", "second")]
+    with grpc.insecure_channel(server.target) as channel:
+        register = KVStoreStub(channel).RegisterNamespace
+        unstick = hold_store_lock(store)
+        try:
+            with pytest.raises(grpc.RpcError) as gave_up:
+                register(requests[0], timeout=0.3)
+            assert gave_up.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            second = register.future(requests[1], timeout=30)
+            time.sleep(0.2)
+        finally:
+            unstick.set()
+        assert second.exception() is not None and second.exception().code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert len(store.namespaces()) == 1
+
+
 def test_a_get_refused_before_it_streams_still_ends_its_lease(store, server, namespace, spec, chain):
     with KVStoreClient(server.target, timeout_s=10) as client, grpc.insecure_channel(server.target) as channel:
         ns_id = client.register_namespace(namespace)

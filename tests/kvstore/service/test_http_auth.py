@@ -73,6 +73,7 @@ def test_no_response_sends_a_referer(store, token):
 
 @pytest.mark.parametrize("host, status", [
     ("127.0.0.1:50552", 200), ("localhost:50552", 200), ("[::1]:50552", 200), ("localhost", 200),
+    ("LocalHost:50552", 200), ("localhost.:50552", 200), ("127.0.0.2", 200),
     ("attacker.example:50552", 421), ("attacker.example", 421), ("10.0.0.7:50552", 421), ("", 421),
 ])
 def test_without_a_token_on_loopback_only_a_loopback_host_is_answered(store, host, status):

@@ -23,6 +23,11 @@ def served(monkeypatch):
     monkeypatch.setattr(http_guard, "MAX_CONNECTIONS", 4)
     app = FastAPI()
     app.get("/")(lambda: {"ok": True})
+
+    @app.get("/slow")
+    async def slow():  # answered after the deadline: a slow scrape, a large page
+        await asyncio.sleep(3 * DEADLINE_S)
+        return {"ok": "slow"}
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
@@ -96,6 +101,29 @@ def test_a_prompt_client_is_served_and_kept_alive_past_no_deadline_it_meets(serv
         for _ in range(3):
             assert answered(client).startswith(b"HTTP/1.1 200")
             time.sleep(DEADLINE_S / 2)
+
+
+def test_a_slow_response_and_one_pipelined_behind_a_fast_one_are_both_served(served):
+    with connect(served) as client:
+        client.sendall(b"GET /slow HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        assert b'"slow"' in received(client, 5, until=b'"slow"}')
+        client.sendall(b"GET / HTTP/1.1\r\nHost: localhost\r\n\r\nGET /slow HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        assert b'"slow"' in received(client, 5, until=b'"slow"}'), "the pipelined response was cut off"
+
+
+def received(sock: socket.socket, seconds: float, until: bytes) -> bytes:
+    """What arrives on ``sock`` within ``seconds``, stopping once it ends with ``until`` or closes."""
+    data, end = b"", time.monotonic() + seconds
+    sock.settimeout(0.1)
+    while time.monotonic() < end and not data.endswith(until):
+        try:
+            chunk = sock.recv(65536)
+        except socket.timeout:
+            continue
+        if not chunk:
+            break
+        data += chunk
+    return data
 
 
 def test_connections_beyond_the_cap_are_closed_at_once_and_served_again_once_others_go(served):
