@@ -13,9 +13,10 @@ copies write the engine's pages: out of the host tier's shared memory (zero-copy
 lookup's lease pins, ``TieredStore.leased_views``), or out of the load's own buffers for disk
 blocks. So a load whose read hangs (a stuck disk, the store's lock held) is abandoned after
 ``load_timeout_s`` and the engine recomputes without waiting for it
-(``connectors._pages.BackgroundLoad``). Like a sidecar that is down, a store that fails a lookup
-with its own error (``KVStoreError``: closed, say) is a miss, warned about once until it answers
-again; a lease the store fails to end is logged and left to its TTL.
+(``connectors._pages.BackgroundLoad``). Like a sidecar that is down, a closed store is a miss
+(``StoreClosed``), warned about once until it answers again; a caller's mistake the store refuses
+(``InvalidRequest``: malformed hashes) still raises. A lease the store fails to end is logged and
+left to its TTL.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from connectors._pages import (DEFAULT_LOAD_TIMEOUT_S, DEFAULT_LOOKUP_TIMEOUT_S,
                               BackgroundLoad, SaveWriter, check_lease_ttl, check_load_timeout, gather_blocks,
                               load_targets, scatter_layer)
 from connectors.base import ConnectorHit, KVConnector, LoadFailed, LoadHandle, PageBytes
-from kvstore.errors import KVStoreError, UnknownLease
+from kvstore.errors import KVStoreError, StoreClosed, UnknownLease
 from kvstore.keys import Namespace
 from kvstore.layout import BlockSpec
 from kvstore.results import LookupResult
@@ -103,13 +104,13 @@ class StoreConnector(KVConnector):
 
     def _store_lookup(self, block_hashes: Sequence[bytes]) -> LookupResult | None:
         """The store's answer with a lease; None (a miss) while its lock is being skipped or when
-        it fails (closed, say: logged once until it answers again)."""
+        it is closed (logged once until it answers again)."""
         if not self._store_lock.allow():  # held past lookup_timeout_s lately: a miss without a wait
             return None
         try:
             result = self.store.lookup(self.ns_id, block_hashes, lease_ttl_s=self.lease_ttl_s,
                                        wait_s=self.lookup_timeout_s)
-        except KVStoreError as exc:
+        except StoreClosed as exc:
             if not self._lookups_failing:
                 log.warning("the store cannot look up blocks (%s: %s); lookups are misses until it answers",
                             type(exc).__name__, exc)

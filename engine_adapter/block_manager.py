@@ -46,8 +46,9 @@ def check_connector_layout(layout: BlockSpec, pool: PagePool, namespace: Namespa
     """Raise ``ValueError`` unless a connector moving blocks of ``layout`` fills ``pool``'s pages
     exactly: the same layers, tokens per block and components (so bytes per layer)."""
     ours = BlockSpec.of(namespace)
-    assert (ours.num_layers, ours.layer_bytes) == (pool.num_layers, pool.layer_bytes), (
-        f"the engine's namespace ({_describe(ours)}) does not describe its own pool: engine bug")
+    if (ours.num_layers, ours.layer_bytes) != (pool.num_layers, pool.layer_bytes):
+        raise ValueError(f"the page pool holds {pool.num_layers} layers of {pool.layer_bytes} bytes a page, the "
+                         f"model's namespace {_describe(ours)}: build the pool from the model's own config")
     if layout != ours:
         raise ValueError(f"the connector moves blocks of {_describe(layout)}; this engine's page pool holds "
                          f"{_describe(ours)}: build the connector over the engine's namespace, "

@@ -69,8 +69,9 @@ class Engine:
         (``RequestOutput.error``: a model call that raised ends only the requests it ran)."""
         work = self.scheduler.schedule()
         sampled, failed = self._forward(work)
-        finished = self.scheduler.postprocess(work, sampled)
-        return finished + [self.scheduler.fail(seq, error) for seq, error in failed]
+        for seq, error in failed:  # before anything else can raise: a failed sequence must not run on
+            self.scheduler.fail(seq, error)
+        return self.scheduler.postprocess(work, sampled)
 
     @property
     def has_unfinished(self) -> bool:
@@ -126,16 +127,25 @@ class Engine:
     def _forward(self, work: list[Work]) -> tuple[list[int | None], list[tuple[Sequence, str]]]:
         """Run the step's work: every decode in ONE call, then each other item in its own. Returns
         the sampled tokens (None where a sequence sampled none) and the sequences whose call
-        raised, with the error: the exception is logged and ends only the sequences of that call."""
+        raised, with the error: the exception is logged and ends only the sequences of that call.
+        Whatever a call raises (KeyboardInterrupt too, which goes on up), its sequences' caches are
+        cut back to where they were before it: a forward stopped midway has written some layers and
+        not others, and the next forward would append each layer at a different position."""
         sampled: list[int | None] = [None] * len(work)
         failed: list[tuple[Sequence, str]] = []
         decode = [i for i, item in enumerate(work) if item.is_decode]
         others = [[i] for i, item in enumerate(work) if not item.is_decode]
         for indices in ([decode] if decode else []) + others:
+            before = [(work[i].seq, work[i].seq.num_cached_tokens) for i in indices]
             try:
                 tokens = self._model_call([work[i] for i in indices])
-            except Exception as exc:  # e.g. out of device memory: the other requests go on
-                ids = ", ".join(work[i].seq.request_id for i in indices)
+            except BaseException as exc:
+                for seq, length in before:
+                    if seq.cache is not None:
+                        seq.cache.truncate(length)
+                if not isinstance(exc, Exception):
+                    raise
+                ids = ", ".join(work[i].seq.request_id for i in indices)  # e.g. out of device memory: the rest go on
                 log.exception("the model call for %s raised; the engine ends it and goes on", ids)
                 failed += [(work[i].seq, f"{type(exc).__name__}: {exc}") for i in indices]
                 continue

@@ -44,7 +44,7 @@ class Scheduler:
         self.blocks, self.chunk_size, self.max_running = blocks, chunk_size, max_running
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self._ended: list[RequestOutput] = []  # sequences schedule() failed, for the next postprocess
+        self._ended: list[RequestOutput] = []  # outputs of sequences ended since the last postprocess
 
     def add(self, seqs: list[Sequence]) -> None:
         """Queue ``seqs`` in order, all or none: raises ``ValueError`` (nothing queued) if one could
@@ -71,7 +71,7 @@ class Scheduler:
             if seq not in self.running:  # preempted for the pages of one before it
                 continue
             if not seq.num_uncomputed_tokens:  # a step raised after computing its last token: the token is lost
-                self._ended.append(self.fail(seq, "an engine step raised after computing its last token"))
+                self.fail(seq, "an engine step raised after computing its last token")
                 continue
             count = min(seq.num_uncomputed_tokens, budget)
             if self._reserve(seq, count):
@@ -89,8 +89,8 @@ class Scheduler:
 
     def postprocess(self, work: list[Work], sampled: list[int | None]) -> list[RequestOutput]:
         """Append each sampled token (None: the sequence produced none this step); finish sequences.
-        Returns the finished ones, and those ``schedule`` ended early."""
-        finished, self._ended = self._ended, []
+        Returns the finished ones, and those ended early since the last call (``fail``). An output
+        is queued as its sequence ends, so none is lost if this raises midway: the next call has it."""
         for (seq, _), token in zip(work, sampled):
             if token is None:
                 continue
@@ -101,14 +101,16 @@ class Scheduler:
             if seq.is_finished:
                 self.running.remove(seq)
                 self.blocks.free(seq)
-                finished.append(seq.output())
+                self._ended.append(seq.output())
+        finished, self._ended = self._ended, []
         return finished
 
-    def fail(self, seq: Sequence, error: str) -> RequestOutput:
-        """End the running ``seq`` early: release what it holds; its output carries ``error``."""
+    def fail(self, seq: Sequence, error: str) -> None:
+        """End the running ``seq`` early: release what it holds; its output, carrying ``error``,
+        comes with the next ``postprocess``."""
         self.running.remove(seq)
         self.blocks.free(seq)
-        return seq.output(error)
+        self._ended.append(seq.output(error))
 
     def _check_fits(self, seq: Sequence) -> None:
         longest = seq.num_prompt_tokens + seq.request.max_new_tokens

@@ -11,7 +11,7 @@ import torch
 
 from connectors.base import ConnectorHit, LoadFailed
 from connectors.store_connector import StoreConnector
-from kvstore.errors import StoreClosed
+from kvstore.errors import InvalidRequest, StoreClosed
 from kvstore.keys import Namespace, namespace_hashes
 from kvstore.layout import BlockSpec
 from kvstore.store import TieredStore
@@ -242,6 +242,15 @@ def test_a_failing_store_is_a_miss_warned_about_once_until_it_answers_again(tmp_
         store.close()  # for good
         assert connector.lookup("e", hashes).blocks == 0
     assert [record.getMessage() for record in caplog.records] == [warning, "the store answers lookups again", warning]
+    connector.close()
+
+
+def test_a_lookup_the_store_refuses_as_a_callers_mistake_still_raises(tmp_path, hashes):
+    """Only a closed store is a miss: malformed hashes are a bug to surface, not a miss to hide."""
+    connector = StoreConnector(make_store(tmp_path), NS)
+    with pytest.raises(InvalidRequest, match="16-byte digests"):
+        connector.lookup("a", [b"short"] + list(hashes))
+    assert connector.lookup("b", hashes).blocks == 0
     connector.close()
 
 

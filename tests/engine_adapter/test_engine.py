@@ -11,7 +11,7 @@ from engine_adapter.paged_cache import PagePool
 from engine_adapter.sequence import Request
 from engine_adapter.tokenizer import ByteTokenizer
 from kvstore.keys import namespace_hashes
-from tests.engine_adapter.engine_helpers import Recorder, prompt_ids, reference_greedy
+from tests.engine_adapter.engine_helpers import DictConnector, Recorder, block_layout, prompt_ids, reference_greedy
 from tests.engine_adapter.hf_oracle import rel_err
 
 P = 8  # tokens per block / page
@@ -234,25 +234,39 @@ def test_a_request_id_already_waiting_or_running_is_refused(v3):
 
 
 class FailingModel:
-    """The model, raising ``exc`` in place of the forward of exactly ``prompt`` or, with no
-    prompt, of the next batched decode."""
+    """The model, raising ``exc`` in the forward of exactly ``prompt`` or, with no prompt, of the
+    next batched decode: at once, or with ``midway`` once layer 0 has written its cache entries
+    and the later layers have not."""
 
-    def __init__(self, model, exc: BaseException, prompt: list[int] | None = None) -> None:
-        self.model, self.exc, self.prompt = model, exc, prompt
+    def __init__(self, model, exc: BaseException, prompt: list[int] | None = None, midway: bool = False) -> None:
+        self.model, self.exc, self.prompt, self.midway = model, exc, prompt, midway
 
     def __getattr__(self, name):
         return getattr(self.model, name)
 
     def __call__(self, token_ids, positions, cache):
         if token_ids.tolist() == self.prompt:
-            raise self.exc
+            self._fail([cache], self.exc)
         return self.model(token_ids, positions, cache)
 
     def forward_decode(self, token_ids, positions, caches):
         if self.prompt is None and self.exc is not None:
             exc, self.exc = self.exc, None
-            raise exc
+            self._fail(caches, exc)
         return self.model.forward_decode(token_ids, positions, caches)
+
+    def _fail(self, caches, exc: BaseException) -> None:
+        if not self.midway:
+            raise exc
+        for cache in caches:
+            write = cache.append
+
+            def append_then_raise(layer, *entries, cache=cache, write=write):
+                write(layer, *entries)
+                cache.append = write
+                raise exc
+
+            cache.append = append_then_raise
 
 
 def test_a_prefill_that_raises_ends_only_its_request(v3):
@@ -294,6 +308,58 @@ def test_a_step_interrupted_midway_ends_the_request_whose_token_it_lost_and_neve
     assert done[ids[0]].error == "an engine step raised after computing its last token"
     assert done[ids[1]].error is None
     assert list(done[ids[1]].output_ids) == make_engine(v3.ours)[0].generate([interrupted], NEW)[0]
+    engine.check_integrity()
+
+
+def test_a_decode_interrupted_midway_is_recomputed_and_gives_the_cold_tokens(v3):
+    """Layer 0 had written the new position, the later layers not: left so, the next forward wrote
+    each layer at a different position and the request finished with wrong tokens."""
+    prompt = prompt_ids(17, seed=6)
+    model = FailingModel(v3.ours, KeyboardInterrupt(), midway=True)
+    engine = Engine(model, PagePool(v3.ours.config, 32, page_size=P))
+    request_id = engine.add_request(Request(prompt, NEW))
+    model.exc, interrupt = None, model.exc
+    engine.step()  # the prefill and the first token
+    model.exc = interrupt
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    done = {}
+    while engine.has_unfinished:
+        done.update((out.request_id, out) for out in engine.step())
+    assert done[request_id].error is None
+    assert list(done[request_id].output_ids) == make_engine(v3.ours)[0].generate([prompt], NEW)[0]
+    engine.check_integrity()
+
+
+class ReportFailsOnce(DictConnector):
+    armed = False
+
+    def report_prefill(self, request_id, saved_tokens, computed_tokens):
+        if self.armed:
+            self.armed = False
+            raise RuntimeError("metrics backend down")
+
+
+def test_a_request_whose_call_failed_is_ended_even_when_the_rest_of_the_step_raises(v3):
+    """a's decode fails midway and b's prefill ends in the same step, whose prefill report then
+    raises: a was left running on a half-written cache and finished with wrong tokens."""
+    first, second = prompt_ids(20, seed=5), prompt_ids(5, seed=6)
+    connector = ReportFailsOnce(block_layout(v3.ours, P))
+    model = FailingModel(v3.ours, RuntimeError("out of memory"), midway=True)
+    engine = Engine(model, PagePool(v3.ours.config, 32, page_size=P), connector=connector)
+    model.exc, failure = None, model.exc
+    first_id = engine.add_request(Request(first, NEW))
+    engine.step()  # first: prefill and its first token; it decodes from now on
+    second_id = engine.add_request(Request(second, NEW))
+    model.exc, connector.armed = failure, True
+    with pytest.raises(RuntimeError, match="metrics backend down"):
+        engine.step()
+    done = {}
+    while engine.has_unfinished:
+        done.update((out.request_id, out) for out in engine.step())
+    assert done[first_id].error == "RuntimeError: out of memory", "ended, its output kept for the next step"
+    assert done[second_id].error is None
+    assert list(done[second_id].output_ids) == make_engine(v3.ours)[0].generate([second], NEW)[0]
     engine.check_integrity()
 
 

@@ -216,6 +216,19 @@ def test_a_connector_over_another_block_layout_is_refused_when_the_engine_is_bui
     store.close()
 
 
+def test_a_page_pool_built_from_another_config_is_refused_with_a_connector(v3, tmp_path):
+    from dataclasses import replace
+
+    model = v3.ours
+    store = open_store(tmp_path)
+    connector = StoreConnector(store, namespace_for(model.config, "deepseek", P))
+    other = replace(model.config, num_hidden_layers=model.config.num_hidden_layers + 1)
+    with pytest.raises(ValueError, match="the page pool holds 4 layers .* build the pool from the model's own config"):
+        Engine(model, PagePool(other, 32, page_size=P), connector=connector)
+    connector.close()
+    store.close()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_cuda_a_prefix_from_host_then_from_disk_gives_the_cold_tokens(v32, tmp_path):
     """The device-pool path of StoreConnector (pinned staging, non-blocking copies, a sync per
