@@ -32,7 +32,8 @@ up on (cancelled) are freed here. ``put`` takes a reference of its own on each o
 as a worker thread reads it (LMCache's wrapper drops its reference once ``put`` returns or is
 cancelled) and drops it after. Threads (``workers.py``): LMCache runs the async methods on its event
 loop and the sync lookups on its own threads; the blocking sidecar calls run on ``workers``
-threads, and a cancelled call stops before its next sidecar call. ``close`` never blocks the loop.
+threads, and a cancelled call stops before its next sidecar call. ``close`` never blocks the loop,
+and writes every put LMCache handed over before it.
 """
 
 from __future__ import annotations
@@ -299,18 +300,24 @@ class KVStoreConnector(RemoteConnector):
     async def batched_put(self, keys: List[CacheEngineKey], memory_objs: List[MemoryObj]) -> None:
         """Store the objects, in order, until one fails. Holds a reference on each while a worker
         may read it, so a cancelled put never reads memory LMCache has handed out again; cancelled,
-        it stores no object after the one under way."""
+        it stores no object after the one under way. A put that came before ``close`` is stored
+        whole (close waits for it); one after it stores nothing. Every object not stored counts in
+        ``put_failures``."""
         for obj in memory_objs:
             obj.ref_count_up()
-        await self._workers.run(None, self._put_all, keys, memory_objs, finished=partial(_free, memory_objs))
+        ran = await self._workers.run(False, self._put_all, keys, memory_objs, stops_at_close=False,
+                                      finished=partial(_free, memory_objs))
+        if not ran:
+            self._count(put_failures=len(keys))
 
-    def _put_all(self, call: Call, keys: List[CacheEngineKey], objs: List[MemoryObj]) -> None:
+    def _put_all(self, call: Call, keys: List[CacheEngineKey], objs: List[MemoryObj]) -> bool:
+        """True: it ran, and counted each object's outcome (``call`` stops only when cancelled)."""
         put = self.client.put_shm if self.settings.shared_memory else self.client.put
         block = self._scratch_block()
         for done, (key, obj) in enumerate(zip(keys, objs)):
             if call.stopped:
                 self._count(put_failures=len(keys) - done)
-                return
+                return True
             digest = key_digest(key.to_string())
             try:
                 framing.frame(block, digest, byte_view(obj.byte_array), object_meta(obj))
@@ -323,10 +330,11 @@ class KVStoreConnector(RemoteConnector):
             except Exception as exc:
                 self._failed("store objects", exc)
                 self._count(put_failures=len(keys) - done)
-                return
+                return True
             self._count(stored=result.stored, duplicates=result.duplicates, rejected=result.rejected)
             if not result.rejected:
                 self._remember([key.to_string()])
+        return True
 
     # ---- the rest of the interface -----------------------------------------------------
 
@@ -372,8 +380,9 @@ class KVStoreConnector(RemoteConnector):
 
     async def close(self) -> None:
         """Idempotent, and off LMCache's loop: calls from now on answer closed (misses, no-ops,
-        ``PING_CLOSED``) at once; the calls under way finish (a get or put before its next sidecar
-        call), then the client closes."""
+        ``PING_CLOSED``) at once; the calls that came before finish, queued ones included (a get or
+        lookup before its next sidecar call, a put whole: LMCache does not wait for its pending
+        puts), then the client closes."""
         await asyncio.to_thread(self._close)
 
     def _close(self) -> None:

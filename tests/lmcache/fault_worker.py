@@ -209,6 +209,30 @@ def cancelled_put(args: dict) -> dict:
     return {"served": served, "active_objects": h.active_objects() - len(others), "counts": h.connector.counts()}
 
 
+def close_during_puts(args: dict) -> dict:
+    """One worker thread and the sidecar paused 2 s: two batched puts of two chunks each, the first
+    waiting on the sidecar, the second queued behind it, then LMCache closes the backend (it does
+    not wait for its puts). What close counted, which of the four keys the sidecar then holds (a
+    client of our own: the plugin's is closed), and the objects left allocated."""
+    from connectors.lmcache.framing import key_digest
+    from kvstore.service.client import KVStoreClient
+
+    h = Harness(args, options={"workers": 1})
+    keys = h.keys(4, 1024)
+    objs = [h.allocate_chunk() for _ in keys]
+    h.connector.session.register()  # the puts' first sidecar calls are the puts themselves
+    with h.paused(2.0):
+        puts = [asyncio.run_coroutine_threadsafe(h.backend.connection.batched_put(keys[i : i + 2], objs[i : i + 2]),
+                                                 h.backend.loop) for i in (0, 2)]
+        time.sleep(0.5)
+        h.backend.close()
+    for put in puts:
+        put.result(10)
+    with KVStoreClient(args["address"]) as client:
+        held = [client.lookup(h.connector.session.ns_id, [key_digest(key.to_string())]).hit_blocks for key in keys]
+    return {"held": held, "active_objects": h.active_objects(), "counts": h.connector.counts()}
+
+
 def planted_descriptions(args: dict) -> dict:
     """Per case of ``args["cases"]`` ({name: [shapes, dtypes, fmt, body_bytes]}): chunk 0 of a fresh
     prompt planted right, chunk 1 with that description over right-sized, checksummed bytes. What a
@@ -242,7 +266,7 @@ def planted_descriptions(args: dict) -> dict:
 
 
 SCENARIOS = {f.__name__: f for f in (cancelled_gets, after_close, close_during_calls, cancelled_put,
-                                      planted_descriptions)}
+                                      close_during_puts, planted_descriptions)}
 
 
 if __name__ == "__main__":

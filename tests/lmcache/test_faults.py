@@ -43,6 +43,7 @@ def test_every_async_call_after_close_answers_a_miss_and_raises_nothing(lmcache_
                                  "batched_async_contains": 0, "ping": grpc.StatusCode.CANCELLED.value[0],
                                  "list": [], "batched_put": 0}, "batched_put: 0 objects left allocated"
     assert "call_failures" not in result["counts"]
+    assert result["counts"]["put_failures"] == 1, "the put after close stored nothing, and says so"
 
 
 def test_close_waits_for_the_calls_in_flight_without_holding_lmcaches_loop(lmcache_py, sidecar):
@@ -60,6 +61,14 @@ def test_a_cancelled_put_never_stores_memory_lmcache_handed_out_again(lmcache_py
     assert result["served"] == [[1.0], None], "the object under way is stored; the next is not, nor -7.0"
     assert result["counts"]["put_failures"] == 1
     assert result["active_objects"] == 0, "the put's own references were dropped once its thread was done"
+
+
+def test_close_writes_every_put_lmcache_handed_over_before_it_even_one_still_queued(lmcache_py, sidecar):
+    result = scenario(lmcache_py, sidecar, "close_during_puts")
+
+    assert result["held"] == [1, 1, 1, 1], "both puts whole: the one under way and the one queued behind it"
+    assert result["counts"] == {"stored": 4, "duplicates": 0, "rejected": 0}
+    assert result["active_objects"] == 0, "LMCache's references and the puts' own were all dropped"
 
 
 WRONG_DESCRIPTIONS = {  # [shapes, dtypes, format, body bytes], every body checksummed right
@@ -85,3 +94,4 @@ def test_a_description_this_lmcache_never_writes_is_a_corrupt_miss_after_the_chu
     assert result["short last chunk"]["loaded"] == [True, True]
     assert "corrupt" not in result["short last chunk"]["moved"]
     assert planted["active_objects"] == 0
+

@@ -97,3 +97,44 @@ def test_close_waits_for_an_admitted_call_and_admits_none_after():
     closer.join(WAIT_S)
     assert closed_at == [True]
     assert workers.close() is False, "a second close is a no-op"
+
+
+def test_close_runs_a_put_queued_behind_a_busy_thread_whole_and_waits_for_it():
+    """LMCache closes the backend without waiting for its puts: one it handed over before close
+    must still be written, although no thread had taken it up when close began."""
+    workers, busy, put = Workers(1, "test-workers"), SlowCall("busy"), SlowCall(None)
+    put.release.set()
+    closed_at = []
+
+    async def close_behind_a_queued_put():
+        running = asyncio.ensure_future(workers.run("closed", busy))
+        await asyncio.to_thread(busy.started.wait, WAIT_S)
+        queued = asyncio.ensure_future(workers.run("closed", put, stops_at_close=False))
+        await asyncio.sleep(0.1)
+        closer = asyncio.ensure_future(asyncio.to_thread(lambda: closed_at.append(workers.close())))
+        await asyncio.sleep(0.2)
+        assert closed_at == [] and not put.started.is_set(), "close waits; the put is still queued"
+        busy.release.set()
+        return await running, await queued, await closer
+
+    assert asyncio.run(close_behind_a_queued_put()) == ("busy", None, None)
+    assert put.started.is_set() and put.stopped_after_wait is False, "the put ran, and was never told to stop"
+    assert closed_at == [True]
+
+
+def test_closing_stops_a_running_get_but_not_a_running_put(workers):
+    get, put = SlowCall(["obj"]), SlowCall(None)
+
+    async def close_while_both_run():
+        calls = asyncio.gather(workers.run([], get), workers.run(None, put, stops_at_close=False))
+        await asyncio.to_thread(lambda: get.started.wait(WAIT_S) and put.started.wait(WAIT_S))
+        closer = asyncio.ensure_future(asyncio.to_thread(workers.close))
+        await asyncio.sleep(0.1)
+        get.release.set()
+        put.release.set()
+        await closer
+        return await calls
+
+    assert asyncio.run(close_while_both_run()) == [["obj"], None]
+    assert get.stopped_after_wait is True, "a get's answer goes nowhere after close: it may stop"
+    assert put.stopped_after_wait is False, "a put LMCache handed over is written whole"
