@@ -6,7 +6,8 @@ sidecar (``kvstore serve``) behind it as its remote storage.
     config.py     PluginConfig: our keys in LMCache's extra_config
     namespace.py  the store namespace of one LMCache configuration, and its block geometry
     framing.py    one variable-size object in one fixed-size block, with its metadata and checksum
-    chunk_meta.py an object's description (shapes, dtypes, format), checked against this configuration's
+    chunk_meta.py an object's description (shapes, dtypes, format), checked against this configuration's;
+                  the LMCache settings whose objects are not whole chunks (refused)
     workers.py    the threads for the blocking sidecar calls; cancelled calls stop, closed ones answer misses
     cpu_engine.py a real LMCacheEngine on the CPU over a paged cache (tests, benchmark, trying it out)
 

@@ -1,6 +1,7 @@
 """LMCache's description of an object (group shapes, dtypes, memory format) as a frame carries it
 (``framing.ObjectMeta``, by name), and the check that a stored description is one this LMCache
-configuration could have written.
+configuration could have written. The plugin serves whole chunks in LMCache's own layout only:
+``require_whole_chunks`` refuses the LMCache settings that store anything else.
 
 The frame's checksum covers an object's bytes, not its metadata, so a block can hold the right
 bytes under a wrong description: a transposed shape, another dtype, another memory format,
@@ -16,12 +17,27 @@ import torch
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
 from connectors.lmcache.framing import CorruptObject, ObjectMeta
+from kvstore.errors import InvalidRequest
 
 Allocation = tuple[list[torch.Size], list[torch.dtype], MemoryFormat]  # what allocate() takes
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def require_whole_chunks(config) -> None:
+    """Raises ``InvalidRequest`` (saying what to set) unless LMCache's ``config`` stores whole chunks
+    as it allocates them, the only objects ``ChunkGeometry`` accepts: ``use_layerwise`` stores one
+    object per layer ([tokens, 2, D] or [tokens, 576]), and a ``remote_serde`` other than "naive"
+    stores another encoding (cachegen: compressed bytes). Either way every get would be a miss."""
+    if config.use_layerwise:
+        raise InvalidRequest("the kvstore plugin stores whole chunks, and LMCache's use_layerwise stores one object "
+                             "per layer: set use_layerwise: false, or use another remote backend for layerwise "
+                             "caching")
+    if config.remote_serde != "naive":
+        raise InvalidRequest(f"the kvstore plugin serves LMCache's chunks as LMCache allocates them, and remote_serde "
+                             f"{config.remote_serde!r} encodes them otherwise: set remote_serde: naive")
 
 
 def object_meta(obj: MemoryObj) -> ObjectMeta:

@@ -52,7 +52,7 @@ from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from connectors.lmcache import framing
-from connectors.lmcache.chunk_meta import ChunkGeometry, dtype_name, object_meta
+from connectors.lmcache.chunk_meta import ChunkGeometry, dtype_name, object_meta, require_whole_chunks
 from connectors.lmcache.config import PluginConfig
 from connectors.lmcache.framing import CorruptObject, key_digest
 from connectors.lmcache.namespace import lmcache_namespace
@@ -71,7 +71,9 @@ PING_CLOSED = grpc.StatusCode.CANCELLED.value[0]  # ping's answer once the conne
 class KVStoreConnector(RemoteConnector):
     def __init__(self, config, metadata, loop: asyncio.AbstractEventLoop, local_cpu_backend,
                  settings: PluginConfig, limits: ServiceLimits = ServiceLimits()):
-        """Connects lazily: a sidecar that is down now only makes every call a miss until it answers."""
+        """Connects lazily: a sidecar that is down now only makes every call a miss until it answers.
+        Raises ``InvalidRequest`` for LMCache settings whose objects it cannot serve (``require_whole_chunks``)."""
+        require_whole_chunks(config)
         super().__init__(config, metadata)  # meta_shapes, meta_dtypes, meta_fmt, full_chunk_size_bytes
         self.loop = loop
         self.local_cpu_backend = local_cpu_backend
@@ -321,7 +323,7 @@ class KVStoreConnector(RemoteConnector):
             digest = key_digest(key.to_string())
             try:
                 framing.frame(block, digest, byte_view(obj.byte_array), object_meta(obj))
-            except ValueError as exc:  # larger than a full chunk: a serde other than "naive"
+            except ValueError as exc:  # it does not fit a block: not an object this configuration writes
                 log.warning("not storing %s on the kvstore sidecar: %s", key.to_string(), exc)
                 self._count(put_failures=1)
                 continue

@@ -265,8 +265,32 @@ def planted_descriptions(args: dict) -> dict:
     return {"results": results, "active_objects": h.active_objects()}
 
 
+def built_with(args: dict) -> dict:
+    """Per case of ``args["cases"]`` ({name: LMCache config keys}): what building our connector for
+    that configuration (as LMCache does, through the adapter) raised, or "built". No engine, and no
+    sidecar needed: the connector connects lazily."""
+    from lmcache.v1.storage_backend.connector import ConnectorContext
+
+    from connectors.lmcache import cpu_engine as lmc
+    from connectors.lmcache.adapter import KVStoreConnectorAdapter
+    from connectors.lmcache.config import plugin_extra_config
+
+    loop, answers = asyncio.new_event_loop(), {}
+    for name, keys in args["cases"].items():
+        config = lmc.lmcache_config({**plugin_extra_config(args["address"]), **keys})
+        context = ConnectorContext("plugin://kvstore", loop, None, config, lmc.mla_metadata(MODEL, LAYERS), "kvstore")
+        try:
+            connector = KVStoreConnectorAdapter().create_connector(context)
+        except Exception as exc:
+            answers[name] = f"{type(exc).__name__}: {exc}"
+        else:
+            loop.run_until_complete(connector.close())
+            answers[name] = "built"
+    return {"answers": answers}
+
+
 SCENARIOS = {f.__name__: f for f in (cancelled_gets, after_close, close_during_calls, cancelled_put,
-                                      close_during_puts, planted_descriptions)}
+                                      close_during_puts, planted_descriptions, built_with)}
 
 
 if __name__ == "__main__":

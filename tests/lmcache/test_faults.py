@@ -95,3 +95,17 @@ def test_a_description_this_lmcache_never_writes_is_a_corrupt_miss_after_the_chu
     assert "corrupt" not in result["short last chunk"]["moved"]
     assert planted["active_objects"] == 0
 
+
+def test_lmcache_settings_whose_objects_are_not_whole_chunks_are_refused_when_the_plugin_is_built(lmcache_py):
+    """Layerwise LMCache stores one object per layer and cachegen compressed bytes: the description
+    check would make every get of theirs a corrupt miss, so the plugin refuses them up front."""
+    cases = {"naive": {}, "layerwise": {"use_layerwise": True}, "cachegen": {"remote_serde": "cachegen"}}
+    result = run_engine(lmcache_py, FAULT_WORKER, scenario="built_with", address="127.0.0.1:1", sidecar_pid=0,
+                        cases=cases)
+
+    assert result["answers"] == {
+        "naive": "built",
+        "layerwise": "InvalidRequest: the kvstore plugin stores whole chunks, and LMCache's use_layerwise stores one "
+                     "object per layer: set use_layerwise: false, or use another remote backend for layerwise caching",
+        "cachegen": "InvalidRequest: the kvstore plugin serves LMCache's chunks as LMCache allocates them, and "
+                    "remote_serde 'cachegen' encodes them otherwise: set remote_serde: naive"}
