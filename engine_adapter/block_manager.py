@@ -76,7 +76,15 @@ class BlockManager:
 
     def admit(self, seq: Sequence) -> bool:
         """Reuse the longest cached prefix and allocate pages for every other known token.
-        False (and nothing held) when the pool cannot take the sequence now."""
+        False (and nothing held) when the pool cannot take the sequence now. What hashing or the
+        connector raises propagates, with nothing held either (no page, no connector lease)."""
+        try:
+            return self._admit(seq)
+        except BaseException:
+            self._drop_admission(seq)
+            raise
+
+    def _admit(self, seq: Sequence) -> bool:
         self._hash_full_blocks(seq)
         reusable = seq.block_hashes[: (seq.num_tokens - 1) // self.block_size]
         device = self.pool.match_prefix(reusable)
@@ -87,6 +95,7 @@ class BlockManager:
                 self.connector.release(seq.request_id)
             return False
         self.pool.pin(device)
+        seq.block_table = device  # held from here: _drop_admission releases what the table lists
         seq.block_table = device + self.pool.allocate(needed)
         seq.committed_blocks = len(device)
         seq.stats.device_hit_tokens = len(device) * self.block_size
@@ -152,6 +161,15 @@ class BlockManager:
         if self.connector is not None:
             self.connector.report_prefill(seq.request_id, seq.stats.connector_hit_tokens,
                                           seq.stats.computed_prompt_tokens)
+
+    def _drop_admission(self, seq: Sequence) -> None:
+        """Undo a partial ``admit``: its load, its connector lease and its pages."""
+        if seq.load is not None:
+            self.abort_load(seq)
+        if self.connector is not None:
+            self.connector.release(seq.request_id)
+        self.pool.release(seq.block_table)
+        seq.block_table, seq.cache, seq.committed_blocks = [], None, 0
 
     def free(self, seq: Sequence) -> None:
         """Release everything the sequence holds; its registered pages stay cached in the pool."""

@@ -10,6 +10,9 @@ When a running sequence needs a page and none is left, the most recently admitte
 preempted: its pages are released (the registered ones stay cached, so readmission finds most of
 them again) and it goes back to the front of the queue to recompute what it lost.
 
+A waiting sequence whose admission raises (hashing its prompt, the connector's lookup or load)
+is ended with the error, holding nothing; the queue goes on behind it.
+
 A running sequence with nothing left to compute (an engine step raised after computing its last
 token, before the token was appended) is never scheduled: it is ended with an error instead.
 
@@ -18,12 +21,15 @@ This module knows sequences and token counts; pages go through the ``BlockManage
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from typing import NamedTuple
 
 from engine_adapter.block_manager import BlockManager
 from engine_adapter.sequence import RequestOutput, Sequence
+
+log = logging.getLogger(__name__)
 
 
 class Work(NamedTuple):
@@ -79,7 +85,14 @@ class Scheduler:
                 budget -= count
         while budget and self.waiting and len(self.running) < self.max_running:
             seq = self.waiting[0]
-            if not self.blocks.admit(seq):
+            try:
+                admitted = self.blocks.admit(seq)
+            except Exception as exc:  # kept at the head, it would raise again every step
+                log.exception("admitting %s raised; the engine ends it and goes on", seq.request_id)
+                self.waiting.popleft()
+                self._ended.append(seq.output(f"{type(exc).__name__}: {exc}"))
+                continue
+            if not admitted:
                 break
             self.running.append(self.waiting.popleft())
             count = min(seq.num_uncomputed_tokens, budget)

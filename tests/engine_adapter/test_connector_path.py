@@ -88,3 +88,44 @@ def test_evicted_pages_demote_to_the_connector_and_come_back(v3):
     [again] = engine.run([Request(first, NEW)])
     assert (again.stats.device_hit_tokens, again.stats.connector_hit_tokens) == (8, 24)
     engine.check_integrity()
+
+
+class FailingAdmission(DictConnector):
+    """A DictConnector whose ``lookup`` (or ``start_load``) raises for requests whose prompt
+    begins with ``poisoned`` (a block hash), after taking its lease, as a broken connector might."""
+
+    def __init__(self, layout, poisoned: bytes, at: str) -> None:
+        super().__init__(layout)
+        self.poisoned, self.at = poisoned, at
+
+    def lookup(self, request_id, block_hashes):
+        hit = super().lookup(request_id, block_hashes)
+        if self.at == "lookup" and block_hashes[:1] == [self.poisoned]:
+            raise RuntimeError("connector broke")
+        return hit
+
+    def start_load(self, hit, block_hashes, pages, pool):
+        if self.at == "start_load" and block_hashes[:1] == [self.poisoned]:
+            raise RuntimeError("connector broke")
+        return super().start_load(hit, block_hashes, pages, pool)
+
+
+@pytest.mark.parametrize("at", ["lookup", "start_load"])
+def test_a_request_whose_admission_raises_is_ended_alone_and_holds_nothing(v3, at):
+    """Before, the raising request stayed at the head of the queue: every later step raised again."""
+    poisoned, healthy = prompt_ids(30, seed=25), prompt_ids(26, seed=26)
+    saver = DictConnector(block_layout(v3.ours, P))
+    engine_with(v3.ours, saver)[0].run([Request(poisoned, NEW)])  # so start_load has a hit to load
+    connector = FailingAdmission(saver.layout, namespace_hashes(engine_with(v3.ours, saver)[0].namespace,
+                                                                 poisoned)[0], at)
+    connector.blocks = saver.blocks
+    engine, recorder = engine_with(v3.ours, connector, num_pages=12)
+    outs = engine.run([Request(poisoned, NEW), Request(healthy, NEW)])
+    assert [out.error for out in outs] == ["RuntimeError: connector broke", None]
+    assert outs[0].output_ids == ()
+    assert_matches_cold(v3.ours, recorder, healthy, outs[1].output_ids, computed_from=0)
+    assert connector.leases == set()
+    engine.check_integrity()
+    assert engine.pool.num_free + engine.pool.num_cached == engine.pool.num_pages, "no page held by the ended one"
+    [again] = engine.run([Request(healthy, NEW)])  # the engine goes on
+    assert again.error is None and again.output_ids == outs[1].output_ids
