@@ -17,15 +17,19 @@ empty hidden files of an owner killed between create and rename wait ``STALE_AFT
 from __future__ import annotations
 
 import fcntl
+import logging
 import mmap
 import os
 import re
+import stat
 import time
 import uuid
 
 SEGMENT_NAME = re.compile(r"^kvstore-(?:[a-z]+-)?\d+-[0-9a-f]{8}$")
 CREATING_NAME = re.compile(r"^\.kvstore-creating-\d+-[0-9a-f]{8}$")
 STALE_AFTER_S = 60.0  # a younger hidden file may belong to an owner between create and lock
+
+log = logging.getLogger(__name__)
 
 
 def default_shm_dir() -> str:
@@ -82,7 +86,12 @@ def _rename_new(source: str, target: str) -> None:
 
 
 def remove_stale_segments(shm_dir: str | None = None) -> list[str]:
-    """Unlink segment files no live process owns (their owner died without cleaning up); returns them."""
+    """Unlink segment files no live process owns (their owner died without cleaning up); returns them.
+
+    Only regular files of this user are candidates: anything else under a segment name (a FIFO, a
+    directory, a link, another user's file; anyone may create them in /dev/shm) is left alone,
+    and never opened in a way that could block. A file that cannot be unlinked is logged and kept.
+    """
     directory = shm_dir or default_shm_dir()
     removed = []
     for name in os.listdir(directory):
@@ -94,16 +103,22 @@ def remove_stale_segments(shm_dir: str | None = None) -> list[str]:
                 removed.append(path)
             except FileNotFoundError:
                 pass
+            except OSError as exc:
+                log.warning("cannot remove the stale shared-memory segment %s: %s", path, exc.strerror)
     return removed
 
 
 def _is_stale(path: str, grace_s: float) -> bool:
+    """Whether ``path`` is a file of ours, older than ``grace_s``, whose owner's lock is gone."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        if not _ours(os.lstat(path)):
+            return False
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
     except OSError:
         return False
     try:
-        if grace_s and time.time() - os.fstat(fd).st_mtime < grace_s:
+        info = os.fstat(fd)  # again: the entry may have been replaced since the lstat
+        if not _ours(info) or grace_s and time.time() - info.st_mtime < grace_s:
             return False
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return True  # nobody holds the owner's shared lock
@@ -111,3 +126,7 @@ def _is_stale(path: str, grace_s: float) -> bool:
         return False
     finally:
         os.close(fd)  # also drops our lock
+
+
+def _ours(info: os.stat_result) -> bool:
+    return stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid()

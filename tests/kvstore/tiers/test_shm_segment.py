@@ -65,3 +65,34 @@ def test_young_files_being_created_and_other_names_are_left_alone(tmp_path):
     age(str(young), shm_segment.STALE_AFTER_S + 1)
     assert remove_stale_segments(str(tmp_path)) == [str(young)]
     assert other.exists()
+
+
+def sweep_in_a_process(directory: str) -> subprocess.CompletedProcess:
+    """``remove_stale_segments(directory)`` in a child, so a sweep that blocks fails the test instead
+    of hanging it."""
+    code = f"from kvstore.tiers.shm_segment import remove_stale_segments; print(remove_stale_segments({directory!r}))"
+    try:
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=20,
+                              env={**os.environ, "PYTHONPATH": REPO})
+    except subprocess.TimeoutExpired:
+        raise AssertionError("the sweep blocked (opened a FIFO without O_NONBLOCK?)") from None
+
+
+def test_entries_under_segment_names_that_are_no_files_of_ours_are_skipped_never_waited_on(tmp_path):
+    """Anyone may create entries in the world-writable /dev/shm: a FIFO once hung the sweep (and so the
+    sidecar's start) for ever, a directory aborted it with IsADirectoryError."""
+    os.mkfifo(tmp_path / "kvstore-1-0000f1f0")
+    os.mkdir(tmp_path / "kvstore-2-000000d1")
+    os.symlink(tmp_path / "elsewhere", tmp_path / "kvstore-3-0000071e")
+    (tmp_path / "elsewhere").write_bytes(b"")
+    theirs = tmp_path / "kvstore-4-0000be17"
+    theirs.write_bytes(b"")
+    if os.geteuid() == 0:
+        os.chown(theirs, 65534, 65534)  # nobody's: root may open it, but it is not ours to remove
+    stale = tmp_path / "kvstore-5-00005a1e"
+    stale.write_bytes(b"")  # ours, unlocked: the one entry to remove
+    done = sweep_in_a_process(str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == repr([str(stale)])
+    assert sorted(os.listdir(tmp_path)) == ["elsewhere", "kvstore-1-0000f1f0", "kvstore-2-000000d1",
+                                            "kvstore-3-0000071e", "kvstore-4-0000be17"]
