@@ -140,8 +140,7 @@ async def serve(config: ServeConfig, store_config: StoreConfig, ready: Callable[
                                 config.allow_plaintext)
     check_durable_puts(config, store_config)
     shm_dir = store_config.host.shm_dir if store_config.host else None
-    for path in remove_stale_segments(shm_dir):  # left by a sidecar killed before it could clean up
-        log.warning("removed the stale shared-memory segment %s of a dead sidecar", path)
+    remove_stale_segments(shm_dir)  # creating a segment sweeps too; this also covers a sidecar that maps none
     store = await asyncio.to_thread(store_config.open_store)  # a large host tier takes seconds to prefault
     staging = StagingArea(config.staging_bytes, shm_dir) if config.staging_bytes else None
     http = sampler = data_plane = None

@@ -39,6 +39,9 @@ def default_shm_dir() -> str:
 class Segment:
     """A new segment file of ``nbytes`` in ``shm_dir``, mapped read-write and locked as owned.
 
+    Creating one first sweeps ``shm_dir`` of stale segments (``remove_stale_segments``), so every
+    process that maps an arena, sidecar or in-process store alike, cleans up after dead ones.
+
     ``prefault`` touches every page now (tmpfs allocates on first touch at ~0.7 GB/s here; doing it
     at start keeps that cost off the write path). ``close`` unmaps, unlocks and unlinks it.
     """
@@ -47,6 +50,7 @@ class Segment:
                  prefault: bool = False):
         prefix = f"kvstore-{kind}-" if kind else "kvstore-"
         directory = shm_dir or default_shm_dir()
+        remove_stale_segments(directory)  # a dead owner's arena would hold memory this one may need
         self.path = os.path.join(directory, name or f"{prefix}{os.getpid()}-{uuid.uuid4().hex[:8]}")
         creating = os.path.join(directory, f".kvstore-creating-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         self._fd = os.open(creating, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -101,6 +105,7 @@ def remove_stale_segments(shm_dir: str | None = None) -> list[str]:
             try:
                 os.unlink(path)
                 removed.append(path)
+                log.warning("removed the stale shared-memory segment %s of a dead process", path)
             except FileNotFoundError:
                 pass
             except OSError as exc:

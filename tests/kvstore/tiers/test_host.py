@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -256,6 +257,28 @@ def test_integrity_holds_after_random_operations(tiers):
         offsets.append((offset, offset + tier.footprint(nbytes)))
     offsets.sort()
     assert all(a[1] <= b[0] for a, b in zip(offsets, offsets[1:])), "two slots overlap"
+
+
+def test_a_new_host_tier_removes_the_arena_of_a_sigkilled_in_process_store_and_keeps_live_ones(tiers, tmp_path):
+    """An engine with an in-process store (no sidecar) killed with SIGKILL cannot unlink its arena;
+    before, only ``kvstore serve`` swept, so every such crash leaked a whole prefaulted arena."""
+    live = tiers(1 << 16, page_bytes=1 << 16)  # this process's: its lock holds, even against itself
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import time
+        from kvstore.config import StoreConfig
+        store = StoreConfig.from_env({{"KVSTORE_HOST_CAPACITY": "1MiB", "KVSTORE_DISK_CAPACITY": "0",
+                                      "KVSTORE_SHM_DIR": {str(tmp_path)!r}}}).open_store()
+        print(store.tiers[0].segment_path, flush=True)
+        time.sleep(60)
+    """)], stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": REPO})
+    try:
+        dead = child.stdout.readline().strip()
+    finally:
+        child.kill()
+        child.wait(10)
+    assert os.path.exists(dead), "SIGKILL left the arena behind"
+    fresh = tiers(1 << 16, page_bytes=1 << 16)
+    assert sorted(os.listdir(tmp_path)) == sorted(os.path.basename(t.segment_path) for t in (live, fresh))
 
 
 def test_close_unlinks_segment_and_later_operations_raise(tmp_path):
