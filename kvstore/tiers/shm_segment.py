@@ -16,6 +16,7 @@ empty hidden files of an owner killed between create and rename wait ``STALE_AFT
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import mmap
@@ -25,11 +26,18 @@ import stat
 import time
 import uuid
 
+from kvstore.errors import InvalidRequest
+
 SEGMENT_NAME = re.compile(r"^kvstore-(?:[a-z]+-)?\d+-[0-9a-f]{8}$")
 CREATING_NAME = re.compile(r"^\.kvstore-creating-\d+-[0-9a-f]{8}$")
 STALE_AFTER_S = 60.0  # a younger hidden file may belong to an owner between create and lock
 
 log = logging.getLogger(__name__)
+
+
+class NoSpaceForSegment(InvalidRequest):
+    """The shared-memory directory cannot hold a new segment of the size asked (a configuration
+    that does not fit this host); the message names the directory, the bytes needed and free."""
 
 
 def default_shm_dir() -> str:
@@ -42,32 +50,31 @@ class Segment:
     Creating one first sweeps ``shm_dir`` of stale segments (``remove_stale_segments``), so every
     process that maps an arena, sidecar or in-process store alike, cleans up after dead ones.
 
-    ``prefault`` touches every page now (tmpfs allocates on first touch at ~0.7 GB/s here; doing it
-    at start keeps that cost off the write path). ``close`` unmaps, unlocks and unlinks it.
+    Its ``nbytes`` are reserved in the directory at creation (``posix_fallocate``): a directory that
+    cannot hold them raises ``NoSpaceForSegment`` and keeps no file, so a segment never turns into a
+    SIGBUS on a later write. ``prefault`` also maps every page now (doing it at start keeps that cost
+    off the write path). ``close`` unmaps, unlocks and unlinks it.
     """
 
     def __init__(self, nbytes: int, shm_dir: str | None = None, kind: str = "", name: str | None = None,
                  prefault: bool = False):
+        assert nbytes > 0, f"a segment of {nbytes} bytes: its owner checks its capacity first (bug)"
         prefix = f"kvstore-{kind}-" if kind else "kvstore-"
         directory = shm_dir or default_shm_dir()
         remove_stale_segments(directory)  # a dead owner's arena would hold memory this one may need
         self.path = os.path.join(directory, name or f"{prefix}{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        creating = os.path.join(directory, f".kvstore-creating-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        self._fd = os.open(creating, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_SH)
-            _rename_new(creating, self.path)
-        except BaseException:
-            os.close(self._fd)
-            os.unlink(creating)
-            raise
+        self._fd = _create_locked(directory, self.path)
         try:
             os.ftruncate(self._fd, nbytes)
+            os.posix_fallocate(self._fd, 0, nbytes)  # tmpfs reserves nothing on ftruncate: a write past
+            # the room left would be a SIGBUS, in this process or in any client that maps the file
             flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if prefault else 0)
             self.mmap = mmap.mmap(self._fd, nbytes, flags=flags)
-        except BaseException:
+        except BaseException as exc:
             os.close(self._fd)
             os.unlink(self.path)
+            if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+                raise NoSpaceForSegment(_no_space(directory, nbytes)) from None
             raise
 
     def close(self) -> None:
@@ -81,6 +88,31 @@ class Segment:
         except FileNotFoundError:
             pass
         os.close(self._fd)
+
+
+def _create_locked(directory: str, path: str) -> int:
+    """A new empty file at ``path`` holding its owner's shared lock from the moment it is visible
+    there (made under a hidden name, locked, then renamed); returns its descriptor."""
+    creating = os.path.join(directory, f".kvstore-creating-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    fd = os.open(creating, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        _rename_new(creating, path)
+    except BaseException:
+        os.close(fd)
+        os.unlink(creating)
+        raise
+    return fd
+
+
+def _no_space(directory: str, nbytes: int) -> str:
+    """What to tell an operator whose shared-memory directory cannot hold ``nbytes`` more."""
+    info = os.statvfs(directory)
+    return (f"cannot reserve {nbytes} bytes of shared memory in {directory}: {info.f_bavail * info.f_frsize} "
+            f"bytes are free there. Free space in {directory} (a process that still maps a removed segment "
+            "holds its memory until it unmaps it), lower the host tier or staging capacity (--host-capacity "
+            "or KVSTORE_HOST_CAPACITY, --staging-capacity or KVSTORE_STAGING_BYTES), or point KVSTORE_SHM_DIR "
+            "at a larger tmpfs (in a container: a larger --shm-size)")
 
 
 def _rename_new(source: str, target: str) -> None:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from kvstore.tiers.disk import DiskTier
 from tests.kvstore.tiers.disk_helpers import FP
+from tests.kvstore.tiers.tmpfs import mounted_tmpfs
 
 
 @pytest.fixture
@@ -21,3 +24,11 @@ def open_tier(tmp_path):
     yield make
     for tier in made:
         tier.close()
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """Factory: a real tmpfs of the given size under ``tmp_path``; every one is unmounted after."""
+    with contextlib.ExitStack() as mounts:
+        yield lambda size_bytes: mounts.enter_context(mounted_tmpfs(str(tmp_path / f"tmpfs-{size_bytes}"),
+                                                                    size_bytes))

@@ -9,8 +9,10 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 from kvstore.tiers import shm_segment
-from kvstore.tiers.shm_segment import Segment, remove_stale_segments
+from kvstore.tiers.shm_segment import NoSpaceForSegment, Segment, remove_stale_segments
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -96,3 +98,23 @@ def test_entries_under_segment_names_that_are_no_files_of_ours_are_skipped_never
     assert done.stdout.strip() == repr([str(stale)])
     assert sorted(os.listdir(tmp_path)) == ["elsewhere", "kvstore-1-0000f1f0", "kvstore-2-000000d1",
                                             "kvstore-3-0000071e", "kvstore-4-0000be17"]
+
+
+def test_a_segment_the_directory_cannot_hold_is_refused_at_creation_naming_the_room_and_leaves_nothing(small_tmpfs):
+    """ftruncate reserves nothing on tmpfs: a segment larger than the room left was created, and its
+    owner (or a client writing into it) died of SIGBUS at the first write past the room."""
+    directory = small_tmpfs(1 << 20)
+    with pytest.raises(NoSpaceForSegment) as refused:
+        Segment(2 << 20, directory)
+    assert f"cannot reserve {2 << 20} bytes of shared memory in {directory}: {1 << 20} bytes are free" \
+        in str(refused.value)
+    assert "lower the host tier or staging capacity" in str(refused.value)
+    assert os.listdir(directory) == [], "the partly created file is removed"
+    first = Segment(768 << 10, directory)
+    try:
+        first.mmap[:] = b"\xab" * (768 << 10)  # every byte backed: no SIGBUS
+        with pytest.raises(NoSpaceForSegment, match=f"{256 << 10} bytes are free"):
+            Segment(768 << 10, directory)  # the first one's room is taken, though not yet all written
+        assert os.listdir(directory) == [os.path.basename(first.path)]
+    finally:
+        first.close()
