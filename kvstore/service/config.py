@@ -11,7 +11,8 @@ Flags override the environment, the environment overrides the embedded defaults:
     KVSTORE_TLS_CERT, KVSTORE_TLS_KEY     PEM files: gRPC (and HTTP) over TLS
     KVSTORE_ALLOW_PLAINTEXT=0             serve every port beyond loopback without TLS (trusted networks only)
     KVSTORE_PROTECT_METRICS=0             /metrics needs the token too
-    KVSTORE_STAGING_BYTES=256MiB          shared-memory staging for same-host puts; 0 disables it
+    KVSTORE_STAGING_BYTES=256MiB          shared-memory staging for same-host puts; 0 disables it,
+                                          else at least 4096 (one page)
     KVSTORE_DURABLE_PUTS=0                answer a put only once it is fsynced to the disk tier
     KVSTORE_SHUTDOWN_GRACE_S=10           how long in-flight calls may finish after SIGTERM
     KVSTORE_MAX_LOOKUP_BLOCKS=16384       and the other ServiceLimits fields (kvstore.service.limits):
@@ -32,7 +33,7 @@ from typing import Mapping
 from kvstore.config import ENV_PREFIX, parse_bool, parse_size
 from kvstore.errors import InvalidRequest
 from kvstore.service.limits import ServiceLimits
-from kvstore.service.staging import DEFAULT_STAGING_BYTES
+from kvstore.service.staging import DEFAULT_STAGING_BYTES, MIN_STAGING_BYTES
 
 DEFAULT_ADDRESS = "127.0.0.1:50551"
 DEFAULT_HTTP_ADDRESS = "127.0.0.1:50552"
@@ -69,8 +70,9 @@ class ServeConfig:
         if self.data_address not in (DATA_OFF, DATA_AUTO) and (self.data_address.startswith("unix:")
                                                                 or ":" not in self.data_address):
             raise InvalidRequest(f"data_address must be HOST:PORT, 'auto' or 'off', got {self.data_address!r}")
-        if self.staging_bytes < 0:
-            raise InvalidRequest(f"staging_bytes must not be negative, got {self.staging_bytes}")
+        if self.staging_bytes < 0 or 0 < self.staging_bytes < MIN_STAGING_BYTES:
+            raise InvalidRequest(f"staging capacity must be 0 (staging off) or at least {MIN_STAGING_BYTES} bytes "
+                                 f"(one page), got {self.staging_bytes}; --staging-capacity or KVSTORE_STAGING_BYTES")
         if self.shutdown_grace_s < 0:
             raise InvalidRequest(f"shutdown_grace_s must not be negative, got {self.shutdown_grace_s}")
 

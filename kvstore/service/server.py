@@ -142,9 +142,9 @@ async def serve(config: ServeConfig, store_config: StoreConfig, ready: Callable[
     shm_dir = store_config.host.shm_dir if store_config.host else None
     remove_stale_segments(shm_dir)  # creating a segment sweeps too; this also covers a sidecar that maps none
     store = await asyncio.to_thread(store_config.open_store)  # a large host tier takes seconds to prefault
-    staging = StagingArea(config.staging_bytes, shm_dir) if config.staging_bytes else None
-    http = sampler = data_plane = None
+    staging = http = sampler = data_plane = None
     try:
+        staging = StagingArea(config.staging_bytes, shm_dir) if config.staging_bytes else None
         data_plane = start_data_plane(data_address, store, config.limits, token, tls)
         health = health_aio.HealthServicer()
         metrics = ServiceMetrics(store)

@@ -40,6 +40,7 @@ from kvstore.tiers.shm_segment import Segment
 from kvstore.tiers.slab import SlabAllocator
 
 DEFAULT_STAGING_BYTES = 256 << 20
+MIN_STAGING_BYTES = 4096  # one slot of the smallest size: the slab's alignment
 DEFAULT_RESERVATION_TTL_S = 30.0
 MAX_RESERVATION_TTL_S = 600.0  # a reservation covers one copy into its slots, not storage
 
@@ -66,6 +67,8 @@ class StagingArea:
 
     def __init__(self, capacity_bytes: int = DEFAULT_STAGING_BYTES, shm_dir: str | None = None,
                  page_bytes: int = 64 << 20):
+        if capacity_bytes < MIN_STAGING_BYTES:
+            raise InvalidRequest(f"staging capacity must be at least {MIN_STAGING_BYTES} bytes, got {capacity_bytes}")
         page_bytes = max(4096, min(page_bytes, capacity_bytes) // 4096 * 4096)
         self._slab = SlabAllocator(capacity_bytes, page_bytes)
         self._segment = Segment(self._slab.capacity_bytes, shm_dir, kind="staging", prefault=True)

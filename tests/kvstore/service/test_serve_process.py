@@ -21,6 +21,7 @@ from kvstore.service.server import server_options
 from kvstore.store import TieredStore
 from kvstore.tiers.disk import DiskTier
 from tests.conftest import payloads_for
+from tests.kvstore.tiers.tmpfs import mounted_tmpfs
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -113,6 +114,29 @@ def test_serve_refuses_durable_puts_where_a_put_does_not_reach_the_disk_before_i
                           capture_output=True, text=True, timeout=60,
                           env={**os.environ, "PYTHONPATH": REPO, **setting})
     assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+def test_serve_whose_shm_dir_cannot_hold_the_staging_area_exits_naming_it_and_leaves_no_segment(tmp_path):
+    """The host tier fits the tmpfs, the staging area after it does not: the start fails with the
+    room named, and the host arena already made is closed (before, the staging area was built
+    outside the try that closes the store, and the arena stayed in the shm dir)."""
+    with mounted_tmpfs(str(tmp_path / "shm"), 24 << 20) as shm:
+        serving = subprocess.Popen([sys.executable, "-m", "kvstore.service", "--address", "127.0.0.1:0",
+                                    "--http-address", "off", "--data-address", "off", "--host-capacity", "16MiB",
+                                    "--disk-capacity", "0", "--staging-capacity", "16MiB"], stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True,
+                                   env={**os.environ, "PYTHONPATH": REPO, "KVSTORE_SHM_DIR": shm})
+        try:
+            out, err = serving.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            serving.kill()
+            pytest.fail(f"the sidecar started on a tmpfs that cannot hold it: {serving.communicate()}")
+        left = os.listdir(shm)
+    assert serving.returncode == 2 and "listening on" not in out, (out, err)
+    assert f"kvstore serve: cannot reserve {16 << 20} bytes of shared memory in {shm}: {8 << 20} bytes are free" \
+        in err, err
+    assert "Traceback" not in err
+    assert left == []
 
 
 def test_an_integrity_failure_at_shutdown_is_named(make_store, monkeypatch):
