@@ -25,6 +25,7 @@ learn that it exists. ``owner_limit`` caps the reservations one owner holds at o
 from __future__ import annotations
 
 import collections
+import logging
 import secrets
 import threading
 import time
@@ -37,7 +38,9 @@ from kvstore.checksum import layer_checksums
 from kvstore.errors import InvalidRequest, StoreClosed, UnknownLease
 from kvstore.service.limits import LimitExceeded
 from kvstore.tiers.shm_segment import Segment
-from kvstore.tiers.slab import SlabAllocator
+from kvstore.tiers.slab import SlabAllocator, unused_capacity
+
+log = logging.getLogger(__name__)
 
 DEFAULT_STAGING_BYTES = 256 << 20
 MIN_STAGING_BYTES = 4096  # one slot of the smallest size: the slab's alignment
@@ -71,6 +74,8 @@ class StagingArea:
             raise InvalidRequest(f"staging capacity must be at least {MIN_STAGING_BYTES} bytes, got {capacity_bytes}")
         page_bytes = max(4096, min(page_bytes, capacity_bytes) // 4096 * 4096)
         self._slab = SlabAllocator(capacity_bytes, page_bytes)
+        if note := unused_capacity("staging", capacity_bytes, self._slab):
+            log.log(*note)
         self._segment = Segment(self._slab.capacity_bytes, shm_dir, kind="staging", prefault=True)
         self.segment_path = self._segment.path
         self._arena = np.frombuffer(self._segment.mmap, np.uint8)  # [capacity] bytes

@@ -79,6 +79,10 @@ class Tier(ABC):
         """Largest payload footprint one block may have here (None: no limit)."""
         return None
 
+    def max_block_remedy(self) -> str:
+        """What bounds ``max_block_bytes`` and what to raise (the end of a refusal's message)."""
+        return "raise its page size"
+
     def max_layers(self) -> int | None:
         """Most layers one block may have here (None: no limit)."""
         return None
@@ -87,7 +91,7 @@ class Tier(ABC):
         """Why this tier cannot hold blocks of ``block_bytes`` in ``num_layers`` layers, or None."""
         limit = self.max_block_bytes()
         if limit is not None and self.footprint(block_bytes) > limit:
-            return f"the {self.name} tier holds at most {limit} bytes per block (raise its page size)"
+            return f"the {self.name} tier holds at most {limit} bytes per block ({self.max_block_remedy()})"
         if self.max_layers() is not None and num_layers > self.max_layers():
             return f"the {self.name} tier holds at most {self.max_layers()} layers per block"
         return None

@@ -11,6 +11,7 @@ so a lower tier, or a remote client committing into a slot, can verify).
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Iterator
 
@@ -19,12 +20,19 @@ import numpy as np
 from kvstore.errors import InvalidRequest, StoreClosed
 from kvstore.tiers.base import BlockMeta, Tier, TierStats
 from kvstore.tiers.shm_segment import Segment
-from kvstore.tiers.slab import SlabAllocator
+from kvstore.tiers.slab import SlabAllocator, unused_capacity
 
 DEFAULT_PAGE_BYTES = 64 << 20
+PAGE_ALIGN = 4096  # slots and pages start on 4 KiB boundaries
+
+log = logging.getLogger(__name__)
 
 
 class HostTier(Tier):
+    """Blocks in slab slots of one shared-memory arena. ``capacity_bytes`` is used in whole pages of
+    ``page_bytes`` (one page of the capacity when that is smaller; both rounded down to 4096): the
+    rest goes unused, and a log line says how much. A page is also the largest block it holds."""
+
     name = "host"
     in_memory = True
 
@@ -36,10 +44,8 @@ class HostTier(Tier):
         segment_name: str | None = None,
         prefault: bool = True,
     ):
-        page_bytes = min(page_bytes, capacity_bytes) // 4096 * 4096
-        if page_bytes <= 0:
-            raise InvalidRequest(f"host tier capacity must be at least 4096 bytes, got {capacity_bytes}")
-        self._slab = SlabAllocator(capacity_bytes, page_bytes)
+        self._slab = _slab_for(capacity_bytes, page_bytes)
+        self._page_is_capacity = page_bytes > capacity_bytes  # the capacity, not the page size, bounds a block
         self.capacity_bytes = self._slab.capacity_bytes
         # Prefault by default: a host tier is reserved memory anyway (see shm_segment.Segment).
         self._segment = Segment(self.capacity_bytes, shm_dir, name=segment_name, prefault=prefault)
@@ -65,6 +71,11 @@ class HostTier(Tier):
 
     def max_block_bytes(self) -> int:
         return self._slab.page_bytes
+
+    def max_block_remedy(self) -> str:
+        if self._page_is_capacity:
+            return "its whole capacity is one page: raise the capacity, --host-capacity or KVSTORE_HOST_CAPACITY"
+        return "one page: raise the page size, KVSTORE_HOST_PAGE_BYTES"
 
     def eviction_helps(self, victim: bytes, nbytes: int) -> bool:
         entry = self._index.get(victim)
@@ -165,3 +176,17 @@ class HostTier(Tier):
     def _check_open(self) -> None:
         if self._closed:
             raise StoreClosed("host tier is closed")
+
+
+def _slab_for(capacity_bytes: int, page_bytes: int) -> SlabAllocator:
+    """The slab over a host arena: pages of ``page_bytes`` (the capacity when smaller), both rounded
+    down to 4096; a capacity that is not a whole number of pages loses the rest, and says so."""
+    if page_bytes < PAGE_ALIGN:
+        raise InvalidRequest(f"host tier page size must be at least {PAGE_ALIGN} bytes (KVSTORE_HOST_PAGE_BYTES), "
+                             f"got {page_bytes}")
+    if capacity_bytes < PAGE_ALIGN:
+        raise InvalidRequest(f"host tier capacity must be at least {PAGE_ALIGN} bytes, got {capacity_bytes}")
+    slab = SlabAllocator(capacity_bytes, min(page_bytes, capacity_bytes) // PAGE_ALIGN * PAGE_ALIGN)
+    if note := unused_capacity("host tier", capacity_bytes, slab, "KVSTORE_HOST_PAGE_BYTES"):
+        log.log(*note)
+    return slab

@@ -10,7 +10,10 @@ the others. No per-block malloc, no fragmentation beyond one partly used page pe
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
+
+UNUSED_WARNING_FRACTION = 0.01  # less unused than this (an automatic capacity, say) is only INFO
 
 
 @dataclass
@@ -110,3 +113,17 @@ class SlabAllocator:
             assert used[page] + free_here == self.page_bytes // slot, f"page {page}: used + free != slots"
             total_used += used[page] * slot
         assert total_used == self.used_bytes, "used bytes disagree with the slots in use"
+
+
+def unused_capacity(what: str, asked_bytes: int, slab: SlabAllocator, page_knob: str = "") -> tuple[int, str] | None:
+    """The log level and message telling an operator that ``asked_bytes`` is not a whole number of
+    ``slab``'s pages (the rest goes unused); None when it is. WARNING when more than 1% goes unused.
+    ``page_knob`` names the setting of the page size, where an operator has one."""
+    used = slab.capacity_bytes
+    if used == asked_bytes:
+        return None
+    unused = asked_bytes - used
+    level = logging.WARNING if unused > asked_bytes * UNUSED_WARNING_FRACTION else logging.INFO
+    return level, (f"{what} capacity {asked_bytes} bytes is not a whole number of its {slab.page_bytes}-byte pages: "
+                   f"using {used} bytes, {unused} unused; {used} or {used + slab.page_bytes} would be used whole"
+                   + (f" (or a {page_knob} that divides it)" if page_knob else ""))

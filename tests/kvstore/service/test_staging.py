@@ -282,3 +282,12 @@ def test_a_reservation_made_for_a_call_its_client_gave_up_on_is_ended(staged_stu
     assert error.code() == Code.DEADLINE_EXCEEDED
     assert until(lambda: len(made) == 1), "the reservation was made after the client left"
     assert until(lambda: staging.active() == 0), "and then ended, not left to its 600 s TTL"
+
+
+def test_a_staging_capacity_not_a_whole_number_of_pages_warns_with_the_capacity_used(tmp_path, caplog):
+    """``--staging-capacity 100MiB`` was 64 MiB of staging (one 64 MiB page) without a word."""
+    area = StagingArea(100 << 10, shm_dir=str(tmp_path), page_bytes=64 << 10)
+    area.close()
+    assert [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "kvstore.service.staging"] == [(
+        "WARNING", "staging capacity 102400 bytes is not a whole number of its 65536-byte pages: using 65536 bytes, "
+                   "36864 unused; 65536 or 131072 would be used whole")]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -68,6 +69,44 @@ def test_capacity_below_a_page_is_rejected(tmp_path):
     with pytest.raises(InvalidRequest):
         HostTier(1000, shm_dir=str(tmp_path))
     assert os.listdir(tmp_path) == []
+
+
+def test_a_page_size_below_4096_is_refused_as_the_page_size_not_the_capacity(tmp_path):
+    """KVSTORE_HOST_PAGE_BYTES=0 was refused as "capacity must be at least 4096 bytes, got 8388608"."""
+    for page_bytes in (0, 4095):
+        with pytest.raises(InvalidRequest, match=f"host tier page size must be at least 4096 bytes "
+                                                 f".KVSTORE_HOST_PAGE_BYTES., got {page_bytes}$"):
+            HostTier(1 << 20, page_bytes=page_bytes, shm_dir=str(tmp_path))
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_block_too_large_for_the_tier_is_refused_naming_the_limit_that_binds(tiers):
+    """Before, every refusal said "raise its page size", also where the capacity was the limit."""
+    block_bytes, layers = 589824, 8
+    by_capacity = tiers(512 << 10, page_bytes=128 << 20)  # the whole capacity is one page
+    assert by_capacity.refusal(block_bytes, layers) == (
+        "the host tier holds at most 524288 bytes per block (its whole capacity is one page: raise the capacity, "
+        "--host-capacity or KVSTORE_HOST_CAPACITY)")
+    by_page = tiers(1 << 20, page_bytes=256 << 10)
+    assert by_page.refusal(block_bytes, layers) == (
+        "the host tier holds at most 262144 bytes per block (one page: raise the page size, KVSTORE_HOST_PAGE_BYTES)")
+    assert tiers(1 << 20, page_bytes=1 << 20).refusal(block_bytes, layers) is None
+
+
+def test_a_capacity_not_a_whole_number_of_pages_says_what_it_uses(tiers, caplog):
+    """100 MiB in 64 MiB pages was 64 MiB without a word; now a warning names the capacity used
+    and the nearest that would be used whole. Less than 1% unused (the automatic capacity) is INFO."""
+    caplog.set_level(logging.INFO, logger="kvstore.tiers.host")
+    assert tiers(100 << 10, page_bytes=64 << 10).capacity_bytes == 64 << 10
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [(
+        "WARNING", "host tier capacity 102400 bytes is not a whole number of its 65536-byte pages: using 65536 "
+                   "bytes, 36864 unused; 65536 or 131072 would be used whole (or a KVSTORE_HOST_PAGE_BYTES that divides it)")]
+    caplog.clear()
+    assert tiers((200 << 16) + 4096, page_bytes=64 << 10).capacity_bytes == 200 << 16
+    assert [r.levelname for r in caplog.records] == ["INFO"]
+    caplog.clear()
+    assert tiers(4 << 16, page_bytes=64 << 10).capacity_bytes == 4 << 16
+    assert caplog.records == []
 
 
 def test_write_read_whole_block_and_single_layers(tiers):

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import random
 
 import pytest
 
-from kvstore.tiers.slab import SlabAllocator
+from kvstore.tiers.slab import SlabAllocator, unused_capacity
 
 KIB = 1024
 PAGE = 16 * KIB  # four 4 KiB slots per page in most tests
@@ -170,3 +171,13 @@ def test_free_of_a_non_slot_offset_is_caught():
     with pytest.raises(AssertionError):
         slab.free(3 * PAGE)  # a free page
     slab.check_integrity(offsets)
+
+
+def test_a_capacity_that_is_not_whole_pages_is_named_with_what_is_used_and_a_warning_past_one_percent():
+    assert unused_capacity("arena", 4 * PAGE, SlabAllocator(4 * PAGE, PAGE)) is None
+    level, message = unused_capacity("arena", 5 * PAGE - 1, SlabAllocator(5 * PAGE - 1, PAGE), "PAGE_KNOB")
+    assert level == logging.WARNING and message == (
+        f"arena capacity {5 * PAGE - 1} bytes is not a whole number of its {PAGE}-byte pages: using {4 * PAGE} bytes, "
+        f"{PAGE - 1} unused; {4 * PAGE} or {5 * PAGE} would be used whole (or a PAGE_KNOB that divides it)")
+    level, _ = unused_capacity("arena", 200 * PAGE + 4 * KIB, SlabAllocator(200 * PAGE + 4 * KIB, PAGE))
+    assert level == logging.INFO, "0.1% unused, as an automatic capacity leaves: no warning"
