@@ -1,10 +1,11 @@
-"""Placement across tiers: making room by policy, writing, publishing (never a block that would
-be its own ancestor), write-through, demotion, promotion.
+"""Placement across tiers: storing one block of a put in the fastest tier with room, making room
+by policy (never by evicting the only copy of the block's parent), writing, publishing (never a
+block that would be its own ancestor), write-through, demotion, promotion.
 
 ``PlacementMixin`` is half of ``TieredStore`` (kept apart to keep each file to one concern). It
 expects the host class to provide ``tiers``, ``_policies``, ``_lock`` (re-entrant), ``_leases``,
-``_inflight``, ``_placing``, ``_counters``, ``_writer``, ``write_policy``, ``_shadows`` and the
-bookkeeping methods ``_bits``, ``_publish``, ``_forget`` and ``_bury_doomed``. Methods whose
+``_inflight``, ``_doomed``, ``_placing``, ``_counters``, ``_writer``, ``write_policy``, ``_shadows``
+and the bookkeeping methods ``_bits``, ``_publish``, ``_forget`` and ``_bury_doomed``. Methods whose
 docstring says "caller holds the lock" must be called under ``_lock``; the others take it
 themselves and copy bytes outside it.
 """
@@ -21,6 +22,39 @@ from kvstore.validation import closes_loop
 
 
 class PlacementMixin:
+    def _put_one(self, key: bytes, view: np.ndarray, meta: BlockMeta) -> str:
+        """Store one block of a put in the first tier that admits it and has room: "stored",
+        "duplicate" (held already, or being put) or "rejected". The policies of the tiers that
+        did not store it are told it came and went (``_bypass``)."""
+        with self._lock:
+            if key in self._doomed:  # deleted, still leased by a reader: it can be stored once that lease ends
+                return "rejected"
+            if self._bits(key) or key in self._inflight:
+                return "duplicate"
+            self._inflight.add(key)
+        try:
+            for t in range(len(self.tiers)):
+                if self._policies[t].admit(key, meta.parent, meta.nbytes) and self._place(t, key, view, meta):
+                    self._write_through(key, t, meta)
+                    self._bypass(range(t), key, meta)
+                    return "stored"
+            self._bypass(range(len(self.tiers)), key, meta)
+            return "rejected"
+        finally:
+            with self._lock:
+                self._inflight.discard(key)
+                self._bury_doomed([key])  # its namespace was deleted while it was being written
+
+    def _bypass(self, tiers: range, key: bytes, meta: BlockMeta) -> str:
+        """Tell the policies of those ``tiers`` that do not hold ``key`` that it came and went;
+        "duplicate" if some tier holds it, else "rejected"."""
+        with self._lock:
+            bits = self._bits(key)
+            for t in tiers:
+                if not bits >> t & 1:
+                    self._policies[t].on_bypass(key, meta.parent, meta.nbytes)
+            return "duplicate" if bits and key not in self._doomed else "rejected"
+
     def _promote(self, key: bytes, payload: np.ndarray, source_meta: BlockMeta | None) -> None:
         if source_meta is None:  # dropped meanwhile; the caller's bytes were verified, but not worth a slot
             return
@@ -45,7 +79,8 @@ class PlacementMixin:
             with self._lock:
                 if self._bits(key) >> t & 1:
                     return True
-                if (t, key) in self._placing or not self._make_room(t, meta.nbytes):
+                keep = meta.parent if self._only_copy(t, meta.parent) else None
+                if (t, key) in self._placing or not self._make_room(t, meta.nbytes, keep):
                     return False
                 self._placing.add((t, key))
             try:
@@ -62,6 +97,13 @@ class PlacementMixin:
             if written:
                 return True
         return False
+
+    def _only_copy(self, t: int, key: bytes | None) -> bool:
+        """Whether evicting ``key`` from tier ``t`` would drop its last copy: no other tier holds
+        it and none would take it on eviction. Caller holds the lock."""
+        if key is None or self._bits(key) != 1 << t:
+            return False
+        return not (self.write_policy == "on_eviction" and t + 1 < len(self.tiers))
 
     def _would_loop(self, keys: set[bytes], parent: bytes | None) -> bool:
         """Whether storing ``keys`` under ``parent`` now closes a loop (``validation.closes_loop``);
@@ -103,8 +145,13 @@ class PlacementMixin:
                 self._leases.unpin([key])
                 self._bury_doomed([key])
 
-    def _make_room(self, t: int, nbytes: int) -> bool:
-        """Evict victims of tier ``t`` (by its policy) until ``nbytes`` fit. Caller holds the lock."""
+    def _make_room(self, t: int, nbytes: int, keep: bytes | None = None) -> bool:
+        """Evict victims of tier ``t`` (by its policy) until ``nbytes`` fit. False, with nothing
+        more evicted, once the policy's next victim is ``keep``: the parent of the block that needs
+        the room when this tier holds its only copy (``_only_copy``), a leaf until that block is
+        stored. Evicting it would leave the block unreachable below it, and skipping it would let
+        a chain longer than the tier's free room push out blocks its policy values more. Caller
+        holds the lock."""
         tier = self.tiers[t]
         if tier.footprint(nbytes) > tier.capacity_bytes:
             return False
@@ -120,6 +167,8 @@ class PlacementMixin:
             )
             try:
                 for victim in victims:
+                    if victim == keep:
+                        return False
                     self._evict(t, victim)
                     if tier.can_fit(nbytes):
                         return True

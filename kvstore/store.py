@@ -293,7 +293,8 @@ class TieredStore(PlacementMixin, LeaseHolderMixin):
 
         Validates everything before storing anything. A block already present is a duplicate
         (left as is); a block no tier has room for is rejected (backpressure, not an error), and
-        so is one a racing put has made its own ancestor meanwhile (``PlacementMixin._place``).
+        so is one a racing put has made its own ancestor meanwhile (``PlacementMixin._place``),
+        and every block after a rejected one. Room is never made by evicting a block's parent.
         """
         spec = self.spec(ns_id)
         check_hashes(block_hashes)
@@ -317,7 +318,10 @@ class TieredStore(PlacementMixin, LeaseHolderMixin):
         try:
             for block_hash, view, sums in zip(block_hashes, views, checksums):
                 meta = BlockMeta(spec.block_bytes, spec.num_layers, sums, ns_id + previous if previous else None)
-                outcome[self._put_one(ns_id + block_hash, view, meta)] += 1
+                if outcome["rejected"]:  # below a block not stored, no lookup could reach it
+                    outcome[self._bypass(range(len(self.tiers)), ns_id + block_hash, meta)] += 1
+                else:
+                    outcome[self._put_one(ns_id + block_hash, view, meta)] += 1
                 previous = block_hash
         finally:
             checksums.close()
@@ -325,24 +329,6 @@ class TieredStore(PlacementMixin, LeaseHolderMixin):
             self._counters["puts"] += 1
             self._counters.update({f"{k}_blocks": v for k, v in outcome.items()})
         return PutResult(outcome["stored"], outcome["duplicate"], outcome["rejected"])
-
-    def _put_one(self, key: bytes, view: np.ndarray, meta: BlockMeta) -> str:
-        with self._lock:
-            if key in self._doomed:  # deleted, still leased by a reader: it can be stored once that lease ends
-                return "rejected"
-            if self._bits(key) or key in self._inflight:
-                return "duplicate"
-            self._inflight.add(key)
-        try:
-            for t in range(len(self.tiers)):
-                if self._policies[t].admit(key, meta.parent, meta.nbytes) and self._place(t, key, view, meta):
-                    self._write_through(key, t, meta)
-                    return "stored"
-            return "rejected"
-        finally:
-            with self._lock:
-                self._inflight.discard(key)
-                self._bury_doomed([key])  # its namespace was deleted while it was being written
 
     # ---- directory bookkeeping (caller holds the lock) ------------------------------------
 

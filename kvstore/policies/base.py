@@ -60,6 +60,14 @@ class EvictionPolicy(ABC):
         """Whether a new block deserves a slot at all (admission control). Default: always."""
         return True
 
+    def on_bypass(self, key: bytes, parent: bytes | None, nbytes: int) -> None:
+        """The tier was offered ``key`` but did not store it: it had no room the policy would give
+        (its next victim was ``parent``), or ``parent`` itself was not stored. For the policy's
+        statistics the block came and went at once, so it still sees every block of the workload
+        (history, ghosts, a selector's miniature caches). Default: ``on_insert`` then ``on_remove``."""
+        self.on_insert(key, parent, nbytes)
+        self.on_remove(key)
+
     def has_resident_children(self, key: bytes) -> bool:
         """Whether a block resident in this tier names ``key`` as its parent. Default: False (a
         policy that does not track chains cannot tell)."""

@@ -180,13 +180,15 @@ def test_replay_with_a_model_takes_and_shows_capacities_in_bytes(capsys, trace):
 
 
 def test_a_sweep_says_what_capacity_keeps_each_fraction_of_the_max(capsys, trace):
-    # six requests share blocks 1 and 2 (1024 tokens, always hit after the first); 1.5k tokens hold them
+    # six requests share blocks 1 and 2 (1024 tokens, always hit after the first); one block's
+    # room keeps block 1 (half the max), 1.5k tokens hold both
     code, out, err = run_main(capsys, "replay", trace, "--sweep", "--capacities", "512,1.5k,10k", "--policies", "lru",
                               "--model", "deepseek-v3")
     assert code == 0, err
     sizing = out[out.index("capacity to keep a fraction of the max"):].splitlines()
     assert sizing[1].split() == ["of", "max", "lru", "belady"]
-    assert sizing[2].split()[:3] == ["50%", "1.5k", "(100.5"]  # 1,500 tokens x 70,272 bytes = 100.5 MiB
+    assert sizing[2].split()[:3] == ["50%", "0.5k", "(34.3"]  # 512 tokens x 70,272 bytes = 34.3 MiB
+    assert sizing[3].split()[:3] == ["75%", "1.5k", "(100.5"]  # 1,500 tokens x 70,272 bytes = 100.5 MiB
     assert [row.split()[0] for row in sizing[2:]] == ["50%", "75%", "90%"]
 
 

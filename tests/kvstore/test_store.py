@@ -225,6 +225,36 @@ def test_tail_goes_first_even_when_it_is_the_most_recently_used(make_store, name
     assert host_resident(store, ns_id, a) == [True, True, True, False]
 
 
+@pytest.mark.parametrize("policy", ["lru", "hit_density", "adaptive"])
+def test_a_chain_longer_than_the_tier_keeps_its_head_and_stores_no_orphan(make_store, namespace, spec, policy):
+    """Before, each block evicted its own parent (the only leaf): 6 of 6 stored, only 3 reachable
+    and 1 slot held by a block no lookup could reach."""
+    store = make_store(**SLOTS4, disk_bytes=None, background_writes=False, policy=policy)
+    ns_id = store.register_namespace(namespace)
+    chain = namespace_hashes(namespace, tokens(0, 6))
+    _, result = put_chain(store, ns_id, spec, chain)
+    assert (result.stored, result.rejected) == (4, 2)
+    assert store.lookup(ns_id, chain).hit_blocks == 4 and host_resident(store, ns_id, chain) == [True] * 4 + [False] * 2
+    store.check_integrity()
+
+
+def test_a_put_never_evicts_its_parent_and_rejects_what_would_hang_below_a_rejected_block(make_store, namespace, spec):
+    """Host full, every block but one leased: the one evictable leaf is the put's own parent."""
+    store = make_store(**SLOTS4, disk_bytes=None, background_writes=False)
+    ns_id = store.register_namespace(namespace)
+    leased = namespace_hashes(namespace, tokens(0, 3))
+    head = namespace_hashes(namespace, tokens(100, 1))
+    put_chain(store, ns_id, spec, leased)
+    put_chain(store, ns_id, spec, head)
+    lease = store.lookup(ns_id, leased, lease_ttl_s=60).lease_id
+    rest = namespace_hashes(namespace, tokens(104, 3), parent=head[0])
+    _, result = put_chain(store, ns_id, spec, rest, parent=head[0])
+    assert (result.stored, result.rejected) == (0, 3)
+    assert host_resident(store, ns_id, head + rest) == [True, False, False, False]
+    store.release(lease)
+    store.check_integrity()
+
+
 @pytest.mark.parametrize("promote", [True, False])
 def test_a_disk_hit_is_promoted_only_when_asked(make_store, namespace, spec, promote):
     store = make_store(**SLOTS4, background_writes=False, promote_on_hit=promote)
