@@ -109,11 +109,39 @@ def assemble_record(span: np.ndarray, header: bytes, payload: np.ndarray, start:
 
 
 def write_all(fd: int, span: np.ndarray, offset: int) -> None:
-    """One write of all of ``span`` at ``offset``; OSError when the device takes less (the caller
-    then cuts the file back). O_DIRECT: ``span`` page-aligned, its length and ``offset`` aligned."""
-    written = os.pwrite(fd, span, offset)
-    if written != span.nbytes:
-        raise OSError(errno.EIO, f"short write: {written} of {span.nbytes} bytes")
+    """All of ``span`` at ``offset`` (O_DIRECT: ``span`` page-aligned, its length and ``offset``
+    aligned); OSError if any of it cannot be written (the caller then cuts the file back)."""
+    pwritev_all(fd, [span], offset)
+
+
+def pwritev_all(fd: int, pieces: list, offset: int) -> None:
+    """Write ``pieces`` (flat byte buffers) back to back at ``offset`` (ALIGN-aligned), all of
+    them or OSError. O_DIRECT or buffered alike.
+
+    A write that takes only part (the file system filled up part way) is not an error yet: the
+    rest is written again, from the first page the short write did not complete (O_DIRECT takes
+    only whole pages; rewriting part of one is harmless), and that retry raises the real error
+    (ENOSPC, EDQUOT, EIO...). A write that completes no page at all raises, so this never spins."""
+    total = sum(piece.nbytes for piece in pieces)
+    done = 0
+    while done < total:
+        written = os.pwritev(fd, _after(pieces, done), offset + done)
+        resume = total if done + written == total else (done + written) // ALIGN * ALIGN
+        if resume <= done:
+            raise OSError(errno.EIO, f"write made no progress: {written} bytes at {offset + done}, of {total - done} left")
+        done = resume
+
+
+def _after(pieces: list, skip: int) -> list:
+    """``pieces`` without their first ``skip`` bytes."""
+    out = []
+    for piece in pieces:
+        if skip >= piece.nbytes:
+            skip -= piece.nbytes
+            continue
+        out.append(piece[skip:])
+        skip = 0
+    return out
 
 
 def write_record_direct(fd: int, offset: int, header: bytes, payload: np.ndarray, size: int,
@@ -161,7 +189,4 @@ def write_record_in_place(fd: int, offset: int, header: bytes, payload: np.ndarr
     edges[len(header) : len(header) + payload.nbytes - whole] = payload[whole:]
     edges[len(header) + payload.nbytes - whole : len(header) + tail] = 0
     pieces = [edges[: len(header)], payload[:whole], edges[len(header) : len(header) + tail]]
-    pieces = [p for p in pieces if p.nbytes]
-    written = os.pwritev(fd, pieces, offset)
-    if written != size:
-        raise OSError(errno.EIO, f"short write: {written} of {size} bytes")
+    pwritev_all(fd, [p for p in pieces if p.nbytes], offset)

@@ -44,7 +44,7 @@ from kvstore.checksum import layers_match
 from kvstore.errors import InvalidRequest, StoreClosed
 from kvstore.tiers.base import KEY_BYTES, BlockMeta, Tier, TierStats
 from kvstore.tiers.direct_io import (
-    read_direct, read_record_direct, write_record_direct,
+    pwritev_all, read_direct, read_record_direct, write_record_direct,
 )
 from kvstore.tiers.disk_files import (
     BLOCK_KEY_PREFIX, TAIL_KEY, TAIL_VALUE, DirectoryLock, IndexEntry, SegmentFile, fsync_directory, open_index,
@@ -203,20 +203,12 @@ class DiskTier(DiskRecovery, Tier):
             if self.durable:
                 os.fdatasync(segment.fd)
             return
-        start, pad = offset, size - HEADER_BYTES - payload.nbytes
-        buffers = [memoryview(header), memoryview(payload).cast("B"), memoryview(_ZEROS)[:pad]]
-        while buffers:
-            written = os.pwritev(segment.fd, buffers, offset)
-            offset += written
-            while buffers and written >= len(buffers[0]):
-                written -= len(buffers[0])
-                buffers.pop(0)
-            if buffers and written:
-                buffers[0] = buffers[0][written:]
+        pad = size - HEADER_BYTES - payload.nbytes
+        pwritev_all(segment.fd, [memoryview(header), memoryview(payload).cast("B"), memoryview(_ZEROS)[:pad]], offset)
         if self.durable:
             os.fdatasync(segment.fd)
         else:
-            start_writeback(segment.fd, start, size)
+            start_writeback(segment.fd, offset, size)
 
     def _roll_segment(self) -> None:
         next_id = max(self._segments, default=0) + 1

@@ -1,6 +1,8 @@
 """O_DIRECT reads and writes through aligned bounce buffers, and the disk tier's buffered fallback."""
 
+import errno
 import os
+import pathlib
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -190,6 +192,25 @@ def test_a_failed_overlapped_write_raises_and_leaves_no_write_running(tmp_path):
         finally:
             os.close(fd)
     assert os.path.getsize(path) == 0
+
+
+@pytest.mark.parametrize("how", ["bounce", "in_place", "overlapped"])
+def test_a_write_that_fills_the_disk_part_way_raises_no_space_not_a_device_error(small_tmpfs, how):
+    """A full disk takes part of a write; before, the short count was reported as EIO ("short
+    write"), so a full disk looked like a failing device. Now the rest is written again and that
+    write raises the real error."""
+    directory = pathlib.Path(small_tmpfs(2 << 20))  # room for two of the record's 3 MiB
+    path, fd = _direct_segment(directory)
+    nbytes = 3 << 20
+    payload = aligned_empty(nbytes) if how == "in_place" else _unaligned(np.ones(nbytes, np.uint8))
+    with ThreadPoolExecutor(1) as writer:
+        try:
+            with pytest.raises(OSError) as caught:
+                direct_io.write_record_direct(fd, 0, b"R" * 4096, payload, 4096 + nbytes,
+                                              writer if how == "overlapped" else None)
+        finally:
+            os.close(fd)
+    assert caught.value.errno == errno.ENOSPC, caught.value
 
 
 def _write_one(tmp_path):

@@ -123,22 +123,20 @@ path, nbytes = sys.argv[1], int(sys.argv[2])
 tier = DiskTier(path, 64 << 20, segment_bytes=64 << 20)
 for i in range(5):
     assert put(tier, i, nbytes)
-real_pwrite, real_pwritev = os.pwrite, os.pwritev
+real_pwritev = os.pwritev
 
-def torn(write, fd, first, offset):
-    write(fd, first, offset)
+def torn_pwritev(fd, buffers, offset):
+    # every append (buffered; O_DIRECT in place or through the bounce buffer): only its first two
+    # pages, the header and the payload's first page, aligned for either
+    first, left = [], 8192
+    for buffer in buffers:
+        first.append(memoryview(buffer).cast("B")[:left])
+        left -= len(first[-1])
+    real_pwritev(fd, [b for b in first if len(b)], offset)
     print(json.dumps({"size_at_commit": os.fstat(fd).st_size}), flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 
-def torn_pwritev(fd, buffers, offset):
-    # buffered appends, or O_DIRECT from a page-aligned payload (written in place, which the
-    # allocator decides): the header and the payload's first page, aligned for either
-    torn(real_pwritev, fd, [buffers[0], memoryview(buffers[1])[:4096]], offset)
-
-def torn_pwrite(fd, data, offset):  # O_DIRECT appends through the bounce buffer: the header page and one more
-    torn(real_pwrite, fd, memoryview(data)[:8192], offset)
-
-os.pwritev, os.pwrite = torn_pwritev, torn_pwrite
+os.pwritev = torn_pwritev
 put(tier, 5, nbytes)
 print("survived", flush=True)
 """
