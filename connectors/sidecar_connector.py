@@ -27,7 +27,9 @@ How each side maps onto the sidecar's calls (``KVStoreClient``), fast path chose
 
 A sidecar that is down, restarting or refusing never crashes the engine: ``lookup`` returns a
 0-block hit, a load fails with ``LoadFailed`` (the engine recomputes; so does a load still not
-done after ``load_timeout_s``), a save is logged and dropped. The namespace is registered lazily and again after ``NOT_FOUND`` (a restarted sidecar):
+done after ``load_timeout_s``), a save is logged and dropped. A sidecar that answers but whose
+disk hangs costs one load its deadline: hits then stop at its host tier for a back-off window
+(``connectors.lower_tiers``), as with ``StoreConnector``. The namespace is registered lazily and again after ``NOT_FOUND`` (a restarted sidecar):
 ``connectors.sidecar_session``.
 """
 
@@ -46,12 +48,14 @@ from connectors._pages import (DEFAULT_LOAD_TIMEOUT_S, DEFAULT_LOOKUP_TIMEOUT_S,
                               BackgroundLoad, PageFence, SaveWriter, check_lease_ttl, check_load_timeout,
                               gather_blocks, load_targets, scatter_layer)
 from connectors.base import ConnectorHit, KVConnector, LoadFailed, LoadHandle, PageBytes
+from connectors.lower_tiers import LowerTiers
 from connectors.sidecar_session import NOT_ANSWERING, SidecarNotAnswering, SidecarSession, describe
 from connectors.store_connector import DEFAULT_LEASE_TTL_S
 from kvstore.keys import Namespace
 from kvstore.layout import BlockSpec
 from kvstore.service.client import KVStoreClient
 from kvstore.service.limits import ServiceLimits
+from kvstore.tiers.host import HostTier
 
 log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 30.0
@@ -87,6 +91,7 @@ class SidecarConnector(KVConnector):
         self.lease_ttl_s = lease_ttl_s
         self.limits = limits
         self._batch = limits.max_transfer_blocks
+        self._lower_tiers = LowerTiers([HostTier.name], self.load_timeout_s)  # the sidecar's one memory tier
         self.session = SidecarSession(self.client, namespace, self.target or "",
                                       meanwhile="the engine serves without it (misses)")
         self._leases: dict[str, int] = {}
@@ -119,6 +124,11 @@ class SidecarConnector(KVConnector):
             with self._lock:
                 self._leases[request_id] = result.lease_id
         blocks = result.hit_blocks if result.lease_id is not None or not result.hit_blocks else 0
+        usable = self._lower_tiers.usable(result.tiers, blocks)
+        if usable < blocks:  # a read below memory hung lately: do not make this request wait on one
+            blocks = usable
+            if not blocks:
+                self.release(request_id)
         return ConnectorHit(request_id, blocks, self.spec.block_size, tuple(result.tiers[:blocks]))
 
     # ---- transfer side -----------------------------------------------------------------
@@ -128,6 +138,8 @@ class SidecarConnector(KVConnector):
         hashes, pages = load_targets(hit, block_hashes, pages)
         with self._lock:
             lease_id = self._leases.pop(hit.request_id, None)
+        reading_below = threading.Event()  # set while the load reads blocks below memory
+        abandoned = threading.Event()  # the engine gave up on the load
 
         def fetch_and_copy(layer_done, fence) -> None:
             grant = self.client.get_slots(self.ns_id, hashes, self.lease_ttl_s)  # pins the whole hit
@@ -136,7 +148,9 @@ class SidecarConnector(KVConnector):
                 in_memory = self.client.slot_views(grant)[: len(hashes)]  # same host: mapped shared memory
                 self._scatter(pool, pages, in_memory, fence)
                 done = len(in_memory) or self._stream_into(pool, pages, grant, fence)  # another host: the data plane
-                self._fetch_into(pool, hashes[done:], pages[done:], fence)
+                below = self._lower_tiers.below_memory(hit.tiers[done : len(hashes)])
+                self._fetch_into(pool, hashes[done:], pages[done:], fence, reading_below if below else None,
+                                 abandoned)
                 kept = done
             finally:
                 intact = self.client.release_grant(grant, kept)
@@ -147,8 +161,13 @@ class SidecarConnector(KVConnector):
         def finish() -> None:  # the lookup's lease: the slots' own lease pinned the copy
             self._end_lease(lease_id)
 
+        def given_up(cancelled: bool) -> None:
+            abandoned.set()
+            if reading_below.is_set() and not cancelled:  # stuck below memory past the deadline
+                self._lower_tiers.hung()
+
         return BackgroundLoad(hit.request_id, len(hashes), self.spec.num_layers, fetch_and_copy, finish, logger=log,
-                              deadline_s=self.load_timeout_s)
+                              deadline_s=self.load_timeout_s, on_abandon=given_up)
 
     def _stream_into(self, pool: PageBytes, pages: list[int], grant, fence: PageFence) -> int:
         """The grant's slots through the sidecar's data plane, ``max_transfer_blocks`` at a time;
@@ -162,9 +181,24 @@ class SidecarConnector(KVConnector):
             self._scatter(pool, pages[start : start + len(dsts)], dsts, fence)
         return count
 
-    def _fetch_into(self, pool: PageBytes, hashes: list[bytes], pages: list[int], fence: PageFence) -> None:
+    def _fetch_into(self, pool: PageBytes, hashes: list[bytes], pages: list[int], fence: PageFence,
+                    reading_below: threading.Event | None = None, abandoned: threading.Event | None = None) -> None:
         """Whole blocks through Get (on disk, or a sidecar whose memory cannot be mapped here), in
-        batches of at most ``max_transfer_blocks`` through one reused set of host buffers."""
+        batches of at most ``max_transfer_blocks`` through one reused set of host buffers.
+        ``reading_below``, if given (some of them are below memory), is set meanwhile; an answer
+        before the load is ``abandoned`` tells the lower tiers' back-off they answer."""
+        if reading_below is None or not hashes:
+            self._fetch_batches(pool, hashes, pages, fence)
+            return
+        reading_below.set()
+        try:
+            self._fetch_batches(pool, hashes, pages, fence)
+        finally:
+            reading_below.clear()
+            if not abandoned.is_set():
+                self._lower_tiers.answered()
+
+    def _fetch_batches(self, pool: PageBytes, hashes: list[bytes], pages: list[int], fence: PageFence) -> None:
         buffers = [np.empty(self.spec.block_bytes, np.uint8) for _ in range(min(self._batch, len(hashes)))]
         for start in range(0, len(hashes), self._batch):
             batch, dsts = hashes[start : start + self._batch], buffers[: len(hashes[start : start + self._batch])]

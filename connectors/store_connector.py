@@ -33,6 +33,7 @@ from connectors._pages import (DEFAULT_LOAD_TIMEOUT_S, DEFAULT_LOOKUP_TIMEOUT_S,
                               BackgroundLoad, SaveWriter, check_lease_ttl, check_load_timeout, gather_blocks,
                               load_targets, scatter_layer)
 from connectors.base import ConnectorHit, KVConnector, LoadFailed, LoadHandle, PageBytes
+from connectors.lower_tiers import LowerTiers
 from kvstore.errors import KVStoreError, StoreClosed, UnknownLease
 from kvstore.keys import Namespace
 from kvstore.layout import BlockSpec
@@ -71,14 +72,9 @@ class StoreConnector(KVConnector):
         self._saves = SaveWriter(lambda hashes, payloads, parent: self.store.put(self.ns_id, hashes, payloads,
                                                                                  parent=parent), logger=log,
                                  max_pending_bytes=max_pending_save_bytes)
-        self._memory_tiers = {tier.name for tier in store.tiers if tier.in_memory}
         self._lookups_failing = False  # the last lookup raised: warned once, until one answers
         self._store_lock = Backoff(initial_s=1.0, max_s=15.0)  # a lock held through I/O: skip lookups a while
-        # Tiers below memory whose reads a load was given up on: hits stop at memory for a window
-        # long enough that probing costs one request a deadline now and then (5 s or twice the
-        # deadline, doubling per failed probe up to 5 minutes or 20 deadlines, the longer of each).
-        deadline = self.load_timeout_s or 0.0
-        self._lower_tiers = Backoff(initial_s=max(5.0, 2 * deadline), max_s=max(300.0, 20 * deadline))
+        self._lower_tiers = LowerTiers((tier.name for tier in store.tiers if tier.in_memory), self.load_timeout_s)
 
     @property
     def layout(self) -> BlockSpec:
@@ -95,9 +91,9 @@ class StoreConnector(KVConnector):
             with self._lock:
                 self._leases[request_id] = result.lease_id
         blocks = result.hit_blocks if result.lease_id is not None or not result.hit_blocks else 0
-        in_memory = next((i for i, tier in enumerate(result.tiers) if tier not in self._memory_tiers), blocks)
-        if in_memory < blocks and not self._lower_tiers.allow():
-            blocks = in_memory  # a read below memory hung lately: do not make this request wait on one
+        usable = self._lower_tiers.usable(result.tiers, blocks)
+        if usable < blocks:  # a read below memory hung lately: do not make this request wait on one
+            blocks = usable
             if not blocks:
                 self.release(request_id)
         return ConnectorHit(request_id, blocks, self.spec.block_size, result.tiers[:blocks])
@@ -160,7 +156,7 @@ class StoreConnector(KVConnector):
         def given_up(cancelled: bool) -> None:
             abandoned.set()
             if reading_below.is_set() and not cancelled:  # stuck below memory past the deadline
-                self._lower_tiers.not_answering()  # (a cancel there gives no verdict: a probe lapses)
+                self._lower_tiers.hung()  # (a cancel there gives no verdict: a probe lapses)
             self._end_lease(hit.request_id, lease_id)  # the fence is closed: nothing reads the views now
 
         return BackgroundLoad(hit.request_id, len(hashes), self.spec.num_layers, copy_layer_major,

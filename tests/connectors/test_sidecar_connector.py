@@ -22,7 +22,7 @@ from kvstore.service import dataplane
 from kvstore.service.client import KVStoreClient
 from kvstore.service.limits import ServiceLimits
 from tests.connectors.sidecar_server import Sidecar, unused_address
-from tests.connectors.test_store_connector import NS, SPEC, BytePool
+from tests.connectors.test_store_connector import NS, SPEC, BytePool, stall_reads
 
 
 @pytest.fixture
@@ -223,6 +223,33 @@ def test_a_load_from_a_hung_sidecar_is_given_up_at_its_deadline_and_never_writes
         time.sleep(0.01)
     assert store.stats().leases_active == 0, "the load gives back its slots and lease once the sidecar answers"
     assert all(bool((layer == 0xAB).all()) for layer in target.layers), "a late load overwrote recomputed pages"
+
+
+def test_a_disk_hung_in_the_sidecar_costs_one_load_a_deadline_then_hits_stop_at_memory(make_store, sidecars,
+                                                                                      connectors, hashes):
+    """The sidecar answers but its disk reads hang. Before, every load of a disk hit waited out
+    its whole deadline (the engine's step with it): the connector had no back-off below memory."""
+    store = make_store()
+    saver = connectors(sidecars(store).target, NS)
+    saver.save("a", hashes, range(6), BytePool(6, seed=8), parent=None)
+    saver.flush()
+    store.flush()
+    store.close()
+    store = make_store()  # the blocks are on disk only, as after a restart
+    sidecar = sidecars(store)
+    connector = connectors(sidecar.target, NS, load_timeout_s=0.3)
+    hit = connector.lookup("b", hashes)
+    assert hit.blocks == 6 and set(hit.tiers) == {"disk"}
+    unstick = stall_reads(store.tiers[1])
+    started = time.monotonic()
+    with pytest.raises(LoadFailed, match="deadline"):
+        connector.start_load(hit, hashes, range(6), BytePool(6)).wait_layer(0)
+    assert 0.27 <= time.monotonic() - started < 5
+    assert connector.lookup("c", hashes).blocks == 0, "right after a disk read hung, hits stop at memory"
+    unstick.set()
+    fresh = connectors(sidecar.target, NS)  # this connector skips the disk for its window; the sidecar serves
+    again = fresh.lookup("d", hashes)
+    assert fresh.start_load(again, hashes, range(6), BytePool(6)).wait() == 6, "the sidecar serves again"
 
 
 def test_a_hung_sidecar_costs_one_short_lookup_then_misses_at_once_until_it_answers(make_store, sidecars, connectors,
