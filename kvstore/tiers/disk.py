@@ -227,6 +227,7 @@ class DiskTier(DiskRecovery, Tier):
         self._check_open()
         entry = self._index.get(key)
         if entry is None:
+            self._runs.end(self._runs.current())  # a load stops at its first miss: its run ends too
             return False
         segment = self._segments.get(entry.segment)  # a reference keeps the descriptor open
         count = entry.num_layers - first_layer if num_layers is None else num_layers
@@ -257,12 +258,15 @@ class DiskTier(DiskRecovery, Tier):
             log.warning("disk tier %s: read of a block failed (%s); dropped", self.path, exc)
             self.remove(key)
             return False
+        verified = False
         try:
-            return self._verify_and_copy(key, entry, header_page if complete else None, data, dst, first_layer, count)
+            verified = self._verify_and_copy(key, entry, header_page if complete else None, data, dst, first_layer,
+                                             count)
+            return verified
         finally:
             if run is not None:
                 run.done()
-                if run.exhausted():
+                if not verified or run.exhausted():  # a miss stops the load: free the buffers, let the segments go
                     self._runs.end(run)
 
     def _verify_and_copy(self, key: bytes, entry: IndexEntry, header_page: np.ndarray | None, data: np.ndarray,
@@ -289,7 +293,10 @@ class DiskTier(DiskRecovery, Tier):
         """Start reading these records now, so the reads of a multi-block load overlap with
         verifying and copying the blocks before them. Buffered reads: ask the kernel
         (``POSIX_FADV_WILLNEED``). O_DIRECT reads: a ``ReadAhead`` over the leading records
-        present, for this thread's next whole-block reads of them in this order."""
+        present, for this thread's next whole-block reads of them in this order. The run ends
+        (its buffers and segments let go) when it is read to its end, at the first read that
+        misses (a load stops there), at a read out of its order, or at this thread's next
+        ``prefetch`` (``prefetch([])`` just ends it)."""
         if self.direct_io:
             self._start_run(keys)
             return

@@ -14,6 +14,7 @@ from kvstore.tiers import direct_io, disk as disk_module
 from kvstore.tiers.base import BlockMeta
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.read_ahead import ReadAhead, Record, SpanBuffers
+from kvstore.tiers.segment import footprint
 
 LAYERS = 4
 NBYTES = LAYERS * 3001  # unaligned on purpose
@@ -66,13 +67,20 @@ def test_reads_out_of_order_or_by_layer_end_the_run_and_stay_exact(tier):
         assert tier.read(key(i), dst) and np.array_equal(dst, tier.payloads[i])
 
 
-def test_a_corrupt_record_read_ahead_is_a_miss_and_the_rest_still_verify(tier, no_lone_reads):
-    entry = tier._index[key(2)]
+def _flip_payload_byte(tier, k: bytes) -> None:
+    entry = tier._index[k]
     with open(tier._segments[entry.segment].path, "r+b") as f:
         f.seek(entry.offset + 4096 + 5000)
         byte = f.read(1)
         f.seek(entry.offset + 4096 + 5000)
         f.write(bytes([byte[0] ^ 0x10]))
+
+
+def test_a_corrupt_record_read_ahead_is_a_miss_that_ends_the_run_and_the_rest_still_verify(tier, monkeypatch,
+                                                                                           no_lone_reads):
+    """A load stops at its first miss, so a failed read ends the thread's run: before, the run
+    stayed open, holding its buffers (up to 48 MiB) and its segments' descriptors."""
+    _flip_payload_byte(tier, key(2))
     tier.prefetch([key(i) for i in range(6)])
     results = []
     for i in range(6):
@@ -80,8 +88,42 @@ def test_a_corrupt_record_read_ahead_is_a_miss_and_the_rest_still_verify(tier, n
         ok = tier.read(key(i), dst)
         results.append(ok)
         assert np.array_equal(dst, tier.payloads[i]) if ok else not dst.any(), "no unverified byte reaches dst"
+        if i == 2:
+            assert tier._runs.current() is None, "the failed read ended the run"
+            monkeypatch.undo()  # the rest are read alone
     assert results == [True, True, False, True, True, True]
     assert tier.stats().checksum_failures == 1 and not tier.contains(key(2))
+
+
+def _open_files() -> list[str]:
+    names = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            names.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except FileNotFoundError:  # the listing's own descriptor, closed meanwhile
+            pass
+    return names
+
+
+def test_a_load_that_stops_early_keeps_no_segment_of_its_run_open(tmp_path):
+    """Blocks in segments of their own; the load fails at block 0, block 1 is removed later: no
+    descriptor of its deleted segment may stay open, nor a buffer of the run stay taken."""
+    tier = DiskTier(str(tmp_path / "disk"), 1 << 26, segment_bytes=footprint(NBYTES), direct_io=True)
+    try:
+        payloads = [np.random.default_rng(i).integers(0, 256, NBYTES, dtype=np.uint8) for i in range(3)]
+        for i, payload in enumerate(payloads):
+            assert tier.write(key(i), payload, BlockMeta(NBYTES, LAYERS, layer_checksums(payload, LAYERS)))
+        if not tier.direct_io:
+            pytest.skip("this file system has no O_DIRECT")
+        _flip_payload_byte(tier, key(0))
+        spare = tier._runs.buffers.spare()
+        tier.prefetch([key(i) for i in range(3)])
+        assert not tier.read(key(0), np.empty(NBYTES, np.uint8))  # the load stops here
+        assert tier.remove(key(1))
+        assert not [name for name in _open_files() if name.endswith(".seg (deleted)")]
+        assert tier._runs.current() is None and tier._runs.buffers.spare() >= spare
+    finally:
+        tier.close()
 
 
 def test_a_record_rewritten_elsewhere_after_the_prefetch_is_read_where_it_now_is(tier):
