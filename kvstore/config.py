@@ -13,7 +13,8 @@ environment, the environment overrides defaults)::
     KVSTORE_POLICY=adaptive         or lru, reuse_arc, hit_density, hit_density_pooled
     KVSTORE_WRITE_POLICY=write_through | on_eviction
     KVSTORE_PROMOTE_ON_HIT=1
-    KVSTORE_LEASE_TTL_S=30
+
+Lease lengths are not configured here: each lookup names its own (a connector's ``lease_ttl_s``).
 
 Auto sizes: the host tier takes a quarter of the memory available now (at most 64 GiB); the disk
 tier takes half of the free space of its file system (at most 1 TiB).
@@ -102,7 +103,6 @@ class StoreConfig:
     policy: str = DEFAULT_POLICY
     write_policy: str = "write_through"
     promote_on_hit: bool = True
-    lease_ttl_s: float = 30.0
     max_leases: int = 65536
 
     def __post_init__(self) -> None:
@@ -112,8 +112,6 @@ class StoreConfig:
             raise InvalidRequest(f"write_policy must be one of {WRITE_POLICIES}, got {self.write_policy!r}")
         if self.host is None and self.disk is None:
             raise InvalidRequest("at least one of the host and disk tiers must be enabled")
-        if self.lease_ttl_s <= 0:
-            raise InvalidRequest(f"lease_ttl_s must be positive, got {self.lease_ttl_s}")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> "StoreConfig":
@@ -137,8 +135,7 @@ class StoreConfig:
         if "DIRECT_IO" in env:
             disk.direct_io = parse_bool(env["DIRECT_IO"])
         for name, key, convert in (("policy", "POLICY", str), ("write_policy", "WRITE_POLICY", str),
-                                   ("promote_on_hit", "PROMOTE_ON_HIT", parse_bool),
-                                   ("lease_ttl_s", "LEASE_TTL_S", float)):
+                                   ("promote_on_hit", "PROMOTE_ON_HIT", parse_bool)):
             if key in env:
                 values[name] = convert(env[key])
         values.update({k: v for k, v in overrides.items() if v is not None})
@@ -160,8 +157,7 @@ class StoreConfig:
                     tier.close()
                 raise
         return TieredStore(tiers, policy=self.policy, write_policy=self.write_policy,
-                           promote_on_hit=self.promote_on_hit, lease_ttl_s=self.lease_ttl_s,
-                           max_leases=self.max_leases)
+                           promote_on_hit=self.promote_on_hit, max_leases=self.max_leases)
 
 
 def parse_bool(text: str) -> bool:

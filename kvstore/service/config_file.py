@@ -29,7 +29,7 @@ from kvstore.service.config import ServeConfig
 from kvstore.service.limits import ServiceLimits
 
 STORE_KEYS = ("host_capacity", "host_page_bytes", "shm_dir", "disk_path", "disk_capacity", "durable", "direct_io", "policy",
-              "write_policy", "promote_on_hit", "lease_ttl_s")
+              "write_policy", "promote_on_hit")
 # Every ServeConfig setting (limits are flat keys of their own), so a new setting cannot be left out.
 SERVE_KEYS = (*(f.name for f in fields(ServeConfig) if f.name != "limits"), *(f.name for f in fields(ServiceLimits)))
 KNOWN_KEYS = frozenset(STORE_KEYS + SERVE_KEYS + ("data_dir",))

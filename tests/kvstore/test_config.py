@@ -1,9 +1,12 @@
 """StoreConfig: sizes, environment, validation, and the store it builds."""
 
+from dataclasses import fields
+
 import pytest
 
 from kvstore.config import DiskConfig, HostConfig, StoreConfig, parse_size
 from kvstore.errors import InvalidRequest
+from kvstore.service.config_file import as_environment
 
 
 @pytest.mark.parametrize("text, expected", [("4GiB", 4 << 30), ("512MB", 512_000_000), ("1048576", 1 << 20),
@@ -21,12 +24,11 @@ def test_parse_size_rejects_garbage_with_examples(text):
 def test_environment_sets_every_knob(tmp_path):
     env = {"KVSTORE_HOST_CAPACITY": "8MiB", "KVSTORE_DISK_PATH": str(tmp_path / "d"),
            "KVSTORE_DISK_CAPACITY": "16MiB", "KVSTORE_DURABLE": "yes", "KVSTORE_POLICY": "lru",
-           "KVSTORE_WRITE_POLICY": "on_eviction", "KVSTORE_PROMOTE_ON_HIT": "0", "KVSTORE_LEASE_TTL_S": "5",
-           "UNRELATED": "x"}
+           "KVSTORE_WRITE_POLICY": "on_eviction", "KVSTORE_PROMOTE_ON_HIT": "0", "UNRELATED": "x"}
     cfg = StoreConfig.from_env(env)
     assert cfg.host.capacity_bytes == 8 << 20
     assert (cfg.disk.path, cfg.disk.capacity_bytes, cfg.disk.durable) == (str(tmp_path / "d"), 16 << 20, True)
-    assert (cfg.write_policy, cfg.promote_on_hit, cfg.lease_ttl_s) == ("on_eviction", False, 5.0)
+    assert (cfg.write_policy, cfg.promote_on_hit) == ("on_eviction", False)
 
 
 def test_overrides_beat_environment():
@@ -44,11 +46,19 @@ def test_zero_capacity_disables_a_tier():
     ({"KVSTORE_WRITE_POLICY": "sometimes"}, "write_policy must be one of"),
     ({"KVSTORE_DURABLE": "maybe"}, "boolean"),
     ({"KVSTORE_HOST_CAPACITY": "0", "KVSTORE_DISK_CAPACITY": "0"}, "at least one"),
-    ({"KVSTORE_LEASE_TTL_S": "-1"}, "lease_ttl_s"),
 ])
 def test_bad_configuration_is_refused_with_a_reason(env, message):
     with pytest.raises(InvalidRequest, match=message):
         StoreConfig.from_env(env)
+
+
+def test_the_lease_ttl_is_each_clients_choice_not_a_store_setting():
+    """KVSTORE_LEASE_TTL_S was documented ("lease time-to-live, default 30") and parsed, but no
+    lease used it: every lookup names its own TTL (the connectors' ``lease_ttl_s``, 60 s). A
+    value that did nothing is gone rather than kept; its config-file key is now an unknown key."""
+    assert "lease_ttl_s" not in {f.name for f in fields(StoreConfig)}
+    with pytest.raises(InvalidRequest, match=r"unknown keys \['lease_ttl_s'\]"):
+        as_environment({"lease_ttl_s": "30s"})
 
 
 def test_auto_sizes_are_positive_and_bounded(tmp_path):
