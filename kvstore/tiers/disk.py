@@ -26,7 +26,9 @@ synced index write.
 
 Space: capacity counts record footprints. Removing a record punches a hole over it; a segment
 with no live record left is deleted. On a file system without hole punching the dead bytes
-keep counting until their whole segment dies.
+keep counting until their whole segment dies. A write the file system cannot take (no space
+for the record or for the index's log) is a rejected write counted in ``io_errors``; the index
+is reopened after such a failure (``_commit``), so writes resume once space is freed.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterator
 
 import numpy as np
-from rocksdict import Rdict, WriteBatch, WriteOptions
+from rocksdict import Rdict, WriteOptions
 
 from kvstore.checksum import layers_match
 from kvstore.errors import InvalidRequest, StoreClosed
@@ -97,7 +99,9 @@ class DiskTier(DiskRecovery, Tier):
         self._closed = False
         self._progress = progress
         self._writer: ThreadPoolExecutor | None = None
-        self._db: Rdict | None = None
+        self._index_dir = os.path.join(self.path, "index")
+        self._db: Rdict | None = None  # None after an index write failed: reopened by the next one
+        self._unindexed: set[bytes] = set()  # removed blocks whose index delete is still to be committed
         os.makedirs(self.path, exist_ok=True)
         self._dir_lock = DirectoryLock(self.path)  # first: another process's directory is never touched
         try:
@@ -118,13 +122,12 @@ class DiskTier(DiskRecovery, Tier):
         self.direct_io = direct_io and supports_direct(self._segments_dir)
         # writes a record's first MiB while the rest is copied into the bounce buffer (direct_io)
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvstore-disk-write") if self.direct_io else None
-        self._db = open_index(os.path.join(self.path, "index"))
+        self._db = open_index(self._index_dir)
         self._recover()
 
     def _abandon_open(self) -> None:
         """After a failed open: close what was opened, then let the directory go."""
-        if self._db is not None:
-            self._db.close()
+        self._drop_index()
         if self._writer is not None:
             self._writer.shutdown()
         self._segments.clear()
@@ -179,14 +182,12 @@ class DiskTier(DiskRecovery, Tier):
             header = RecordHeader(key, meta.nbytes, meta.num_layers, self._seq, meta.parent, meta.checksums)
             try:
                 self._write_record(segment, offset, header.encode(), payload, size)
-                batch = WriteBatch(raw_mode=True)
-                batch.put(BLOCK_KEY_PREFIX + key, entry.encode())
-                batch.put(TAIL_KEY, TAIL_VALUE.pack(segment.id, offset + size))
-                self._db.write(batch, write_opt=self._write_opt)
+                self._commit({BLOCK_KEY_PREFIX + key: entry.encode(), TAIL_KEY: TAIL_VALUE.pack(segment.id, offset + size)})
             except Exception as exc:  # OSError from the segment, rocksdict raises plain Exception
                 self._count("io_errors", 1)
                 log.error("disk tier %s: write failed (%s); block not stored", self.path, exc)
                 truncate_quietly(segment.fd, offset)
+                self._unindexed.add(key)  # in case the failed batch reached the index's log after all
                 return False
             self._index[key] = entry
             self._seq += 1
@@ -344,10 +345,12 @@ class DiskTier(DiskRecovery, Tier):
             if entry is None:
                 return False
             size = footprint(entry.nbytes)
+            self._unindexed.add(key)
             try:
-                self._db.delete(BLOCK_KEY_PREFIX + key)
-            except Exception as exc:  # the index entry may reappear after restart; its bytes still verify
-                log.error("disk tier %s: index delete failed: %s", self.path, exc)
+                self._commit({})
+            except Exception as exc:  # kept in _unindexed: the next index write (or flush) deletes it
+                self._count("io_errors", 1)
+                log.error("disk tier %s: index delete failed (%s); retried with the next index write", self.path, exc)
             segment = self._segments[entry.segment]
             segment.live_bytes -= size
             if segment.live_bytes == 0 and segment is not self._active:
@@ -366,14 +369,28 @@ class DiskTier(DiskRecovery, Tier):
     # ---- maintenance -------------------------------------------------------------------
 
     def flush(self) -> None:
+        """fdatasync the segments written to, then the index with the deletes still to be committed
+        and its log. A failure is logged and counted as an io_error, never raised: I/O failure of
+        the tier is no caller's error, and a store closes its tiers after flushing them."""
         with self._lock:
             if self._closed:
                 return
-            for segment in self._segments.values():
-                if segment.dirty:
-                    os.fdatasync(segment.fd)
-                    segment.dirty = False
-            self._db.flush_wal(True)
+            try:
+                for segment in self._segments.values():
+                    if segment.dirty:
+                        os.fdatasync(segment.fd)
+                        segment.dirty = False
+                if self._unindexed or self._db is None:
+                    self._commit({})
+                try:
+                    self._db.flush_wal(True)
+                except Exception:
+                    self._drop_index()
+                    raise
+            except Exception as exc:  # OSError from a segment, rocksdict raises plain Exception
+                self._count("io_errors", 1)
+                log.error("disk tier %s: flush failed (%s); what was written since the last flush may not "
+                          "survive a crash", self.path, exc)
 
     def drop_page_cache(self) -> None:
         """Flush, then ask the kernel to drop these segments' cached pages (for cold-read tests)."""
@@ -415,18 +432,25 @@ class DiskTier(DiskRecovery, Tier):
         )
 
     def close(self) -> None:
+        """Flush, then close everything and let the directory go, whatever failed on the way."""
         with self._lock:
             if self._closed:
                 return
-            self.flush()
-            self._closed = True
-            self._runs.close()
-            if self._writer is not None:
-                self._writer.shutdown()
-            self._db.close()
-            self._segments.clear()
-            self._active = None
-            self._dir_lock.release()
+            try:
+                self.flush()
+                if self._unindexed:
+                    log.error("disk tier %s: %d removed blocks are still in the index (it could not be written); "
+                              "after a restart they fail verification as checksum failures", self.path,
+                              len(self._unindexed))
+                self._runs.close()
+                if self._writer is not None:
+                    self._writer.shutdown()
+            finally:
+                self._closed = True
+                self._drop_index()
+                self._segments.clear()
+                self._active = None
+                self._dir_lock.release()
 
     def _check_open(self) -> None:
         if self._closed:

@@ -7,6 +7,7 @@ Mechanism only: which record goes where, and when, is ``kvstore.tiers.disk``'s b
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
@@ -133,11 +134,13 @@ class DirectoryLock:
 def open_index(index_dir: str) -> Rdict:
     """The tier's RocksDB index, created if missing (empty: the tier rebuilds it from the segments).
 
-    An index RocksDB cannot open (corrupt, files missing, or the path is not a directory) is moved
-    aside to ``index.corrupt-TIME`` and a new one created: the segments are the truth, and the
-    tier rebuilds the entries from them. An index that is locked (another process has it open) or
-    that we may not read raises ``OSError`` and is left as it is: it is not broken, and moving it
-    would take a live index from under its owner.
+    An index RocksDB cannot open because it is broken (corrupt, files missing, or the path is not
+    a directory) is moved aside to ``index.corrupt-TIME`` and a new one created: the segments are
+    the truth, and the tier rebuilds the entries from them. An index that fails to open for a
+    reason outside it (locked by another process, no space left, a read-only file system, an I/O
+    error, no access, too many open files) raises ``OSError`` (with that errno where there is
+    one) naming the directory and the cause, and is left as it is: it is not broken, and moving it
+    would take a live index from under its owner, or throw away a good one for want of space.
     """
     try:
         if os.path.lexists(index_dir) and not os.path.isdir(index_dir):
@@ -155,20 +158,49 @@ class _CorruptIndex(Exception):
 
 
 # RocksDB's LOCK file held (its wording varies: "lock hold by current process", "While lock file:
-# .../LOCK: Resource temporarily unavailable"), or EACCES: failures of access, not of the index
-_NOT_OURS = re.compile(r"/LOCK\b|lock hold|Permission denied")
+# .../LOCK: Resource temporarily unavailable"): the index is another's, not broken
+_LOCKED = re.compile(r"/LOCK\b|lock hold")
+
+# errors of the file system or of our rights, not of the index, and what to do about each; RocksDB
+# names them by strerror ("IO error: No space left on device: While appending to file: ..."), its
+# Rust wrapper by number ("No space left on device (os error 28)")
+_NOT_THE_INDEX = {
+    errno.ENOSPC: "free space on its file system",
+    errno.EDQUOT: "free space within this user's disk quota",
+    errno.EROFS: "make its file system writable",
+    errno.EIO: "check the device (dmesg)",
+    errno.EACCES: "give this user access to it",
+    errno.EPERM: "give this user access to it",
+    errno.EMFILE: "raise the open-files limit (ulimit -n, LimitNOFILE)",
+    errno.ENFILE: "raise the system's open-files limit (fs.file-max)",
+    errno.ENOMEM: "free memory",
+}
+
+
+def _cause(message: str) -> int | None:
+    """The errno of ``_NOT_THE_INDEX`` that a RocksDB error message names, if any."""
+    for code in _NOT_THE_INDEX:
+        if os.strerror(code) in message or f"(os error {code})" in message:
+            return code
+    return None
 
 
 def _open_rdict(index_dir: str) -> Rdict:
-    """Open (or create) the index; ``OSError`` if it is locked or unreadable to us, else
-    ``_CorruptIndex`` for any failure."""
+    """Open (or create) the index; ``OSError`` if it fails for a reason outside the index (locked,
+    full, read-only, unreadable...), else ``_CorruptIndex`` for any failure."""
     try:
         return Rdict(index_dir, options=Options(raw_mode=True))
     except Exception as exc:  # rocksdict raises plain Exception with RocksDB's status as its message
-        if _NOT_OURS.search(str(exc)):
-            raise OSError(f"disk index at {index_dir} could not be opened ({exc}); left as it is: it is in "
-                          f"use or not readable, not corrupt. Fix the cause and open the tier again.") from exc
-        raise _CorruptIndex(str(exc)) from exc
+        message = str(exc)
+        code = _cause(message)
+        if code is not None:
+            raise OSError(code, f"disk index at {index_dir} could not be opened ({message}); left as it is: "
+                                f"{os.strerror(code)} is no corruption. {_NOT_THE_INDEX[code].capitalize()}, then "
+                                f"open the tier again.") from exc
+        if _LOCKED.search(message):
+            raise OSError(f"disk index at {index_dir} could not be opened ({message}); left as it is: it is in "
+                          f"use, not corrupt. Stop the process that has it open, then open the tier again.") from exc
+        raise _CorruptIndex(message) from exc
 
 
 def segment_name(segment_id: int) -> str:

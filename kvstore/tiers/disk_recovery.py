@@ -1,11 +1,13 @@
-"""The disk tier's recovery on open: load the index and drop entries whose bytes are gone, cut the
+"""The disk tier's recovery. On open: load the index and drop entries whose bytes are gone, cut the
 active segment back to its committed tail, delete segments nothing was committed to, rebuild a
-missing index from the segment headers, and punch out bytes no live record covers.
+missing index from the segment headers, and punch out bytes no live record covers. While open:
+reopen the index after a write to it failed (``_commit``).
 
 ``DiskRecovery`` is half of ``DiskTier`` (kept apart to keep each file to one concern). It expects
-the host class to provide ``path``, ``direct_io``, ``_segments_dir``, ``_db``, ``_index``,
-``_segments``, ``_active``, ``_tail``, ``_seq``, ``_counters``, ``_progress`` and
-``_delete_segment``; ``_recover`` runs once, at open, before the tier serves anything.
+the host class to provide ``path``, ``direct_io``, ``_segments_dir``, ``_index_dir``, ``_db``,
+``_unindexed``, ``_write_opt``, ``_index``, ``_segments``, ``_active``, ``_tail``, ``_seq``,
+``_counters``, ``_progress`` and ``_delete_segment``; ``_recover`` runs once, at open, before the
+tier serves anything; ``_commit`` with the tier's lock held.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from rocksdict import WriteBatch
 
 from kvstore.tiers.disk_files import (
     BLOCK_KEY_PREFIX, FORMAT_KEY, FORMAT_VERSION, TAIL_KEY, TAIL_VALUE, IndexEntry, SegmentFile, newest_records,
-    segment_name,
+    open_index, segment_name,
 )
 from kvstore.tiers.segment import footprint, punch_hole
 
@@ -109,3 +111,35 @@ class DiskRecovery:
                 if start > cursor and not punch_hole(segment.fd, cursor, start - cursor):
                     segment.dead_bytes += start - cursor
                 cursor = max(cursor, end)
+
+    # ---- while open: the index after a failed write ----------------------------------------
+
+    def _commit(self, puts: dict[bytes, bytes]) -> None:
+        """Write ``puts`` to the index in one batch, after the deletes of removed blocks that have
+        not reached it yet (deletes first: a block removed and written again ends up present).
+        Raises what the index raises, and then closes it: RocksDB keeps a failed write-ahead-log
+        append (ENOSPC) as a background error that fails every later write, delete and flush until
+        the DB is opened again, so the next commit reopens it (measured: once space is freed, the
+        reopened index takes writes, and keeps every entry committed before)."""
+        batch = WriteBatch(raw_mode=True)
+        for key in self._unindexed:
+            batch.delete(BLOCK_KEY_PREFIX + key)
+        for key, value in puts.items():
+            batch.put(key, value)
+        try:
+            if self._db is None:
+                self._db = open_index(self._index_dir)
+            self._db.write(batch, write_opt=self._write_opt)
+        except Exception:
+            self._drop_index()
+            raise
+        self._unindexed.clear()
+
+    def _drop_index(self) -> None:
+        """Close the index, ignoring its error (after a failure, closing reports that failure again)."""
+        db, self._db = self._db, None
+        if db is not None:
+            try:
+                db.close()
+            except Exception:
+                pass

@@ -14,6 +14,7 @@ from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.segment import HEADER_BYTES, scan_segment
 from tests.conftest import payloads_for
 from tests.kvstore.tiers.disk_helpers import TierOwner, reads_exact
+from tests.kvstore.tiers.tmpfs import mounted_tmpfs
 
 
 @pytest.fixture
@@ -128,3 +129,21 @@ def test_fsck_refuses_a_tier_another_process_has_open_and_changes_nothing(disk_d
         assert all(reads_exact(tier, i) for i in (1000, 1001, 1002))
     finally:
         tier.close()
+
+
+def test_a_repair_on_a_full_file_system_says_so_and_moves_nothing(disk_dir, tmp_path, capsys):
+    """Before, the full disk made the open take the index for corrupt: it was moved aside, and the
+    repair died with a traceback of a private _CorruptIndex."""
+    with mounted_tmpfs(str(tmp_path / "full"), 8 << 20) as mount:
+        tier_dir = shutil.copytree(disk_dir, os.path.join(mount, "disk"))
+        filler = os.open(os.path.join(mount, "filler"), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            os.posix_fallocate(filler, 0, shutil.disk_usage(mount).free)
+            assert main(["fsck", "--repair", tier_dir]) == 2
+            out, err = capsys.readouterr()
+            assert "No space left on device" in err and tier_dir in err and out == ""
+            assert sorted(os.listdir(tier_dir)) == ["index", "segments", "tier.lock"]
+            report = fsck(tier_dir)  # the check needs no space, and the index still reads
+            assert report.clean and report.ok == report.indexed_blocks == 10
+        finally:
+            os.close(filler)

@@ -300,7 +300,8 @@ def test_removed_and_superseded_records_are_not_resurrected_by_a_rebuild(open_ti
 
 
 def test_index_write_failure_is_an_io_error_not_a_crash(open_tier):
-    """RocksDB raising (its WAL hit a full disk, say) must fail the write cleanly."""
+    """RocksDB raising (its WAL hit a full disk, say) must fail the write cleanly; the index is
+    then closed and the next write reopens it (a real full disk: test_disk_full.py)."""
     tier = open_tier()
     for i in range(3):
         assert put(tier, i)
@@ -315,13 +316,11 @@ def test_index_write_failure_is_an_io_error_not_a_crash(open_tier):
         def __getattr__(self, name):
             return getattr(self._db, name)
 
-    real = tier._db
-    tier._db = FailingIndex(real)
+    tier._db = FailingIndex(tier._db)
     assert not put(tier, 3)
     assert tier.stats().io_errors == 1
     assert not tier.contains(key_of(3))
     tier.check_integrity()  # the record's bytes were cut back off the segment
-    tier._db = real
     assert put(tier, 4)
     assert all(reads_exact(tier, i) == (i != 3) for i in range(5))
     tier.check_integrity()
