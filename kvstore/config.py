@@ -26,7 +26,7 @@ import os
 import re
 import shutil
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Callable, Mapping, TypeVar
 
 from kvstore.errors import InvalidRequest
 from kvstore.policies import DEFAULT_POLICY, POLICIES
@@ -35,6 +35,7 @@ from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.host import HostTier
 
 ENV_PREFIX = "KVSTORE_"
+T = TypeVar("T")
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
           "t": 1000**4, "tb": 1000**4, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 
@@ -116,28 +117,21 @@ class StoreConfig:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> "StoreConfig":
         """Defaults, then ``KVSTORE_*`` variables, then ``overrides`` (None values are ignored)."""
-        env = {k[len(ENV_PREFIX):]: v for k, v in (environ if environ is not None else os.environ).items()
-               if k.startswith(ENV_PREFIX)}
-        values: dict = {}
+        env = os.environ if environ is None else environ
         host, disk = HostConfig(), DiskConfig()
-        if "HOST_CAPACITY" in env:
-            host.capacity_bytes = parse_size(env["HOST_CAPACITY"])
-        if "SHM_DIR" in env:
-            host.shm_dir = env["SHM_DIR"]
-        if "HOST_PAGE_BYTES" in env:
-            host.page_bytes = parse_size(env["HOST_PAGE_BYTES"])
-        if "DISK_PATH" in env:
-            disk.path = env["DISK_PATH"]
-        if "DISK_CAPACITY" in env:
-            disk.capacity_bytes = parse_size(env["DISK_CAPACITY"])
-        if "DURABLE" in env:
-            disk.durable = parse_bool(env["DURABLE"])
-        if "DIRECT_IO" in env:
-            disk.direct_io = parse_bool(env["DIRECT_IO"])
-        for name, key, convert in (("policy", "POLICY", str), ("write_policy", "WRITE_POLICY", str),
-                                   ("promote_on_hit", "PROMOTE_ON_HIT", parse_bool)):
-            if key in env:
-                values[name] = convert(env[key])
+        for target, name, key, parse in ((host, "capacity_bytes", "HOST_CAPACITY", parse_size),
+                                         (host, "shm_dir", "SHM_DIR", str),
+                                         (host, "page_bytes", "HOST_PAGE_BYTES", parse_size),
+                                         (disk, "path", "DISK_PATH", str),
+                                         (disk, "capacity_bytes", "DISK_CAPACITY", parse_size),
+                                         (disk, "durable", "DURABLE", parse_bool),
+                                         (disk, "direct_io", "DIRECT_IO", parse_bool)):
+            if ENV_PREFIX + key in env:
+                setattr(target, name, read_setting(env, ENV_PREFIX + key, parse))
+        values = {name: read_setting(env, ENV_PREFIX + key, parse)
+                  for name, key, parse in (("policy", "POLICY", str), ("write_policy", "WRITE_POLICY", str),
+                                           ("promote_on_hit", "PROMOTE_ON_HIT", parse_bool))
+                  if ENV_PREFIX + key in env}
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(host=None if host.capacity_bytes == 0 else host,
                    disk=None if disk.capacity_bytes == 0 else disk, **values)
@@ -167,3 +161,35 @@ def parse_bool(text: str) -> bool:
     if lowered in ("0", "false", "no", "off", ""):
         return False
     raise InvalidRequest(f"cannot read {text!r} as a boolean; use 1/0, true/false, yes/no or on/off")
+
+
+def parse_seconds(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise InvalidRequest(f"cannot read {text!r} as seconds; examples: 10, 2.5") from None
+
+
+class Settings(dict):
+    """``KVSTORE_*`` variables that remember where each was set, for error messages: ``origin``
+    is the variable's own name unless ``origins`` says otherwise (a config file's key and path)."""
+
+    def __init__(self, values: Mapping[str, str], origins: Mapping[str, str] | None = None):
+        super().__init__(values)
+        self.origins = dict(origins or {})
+
+    def origin(self, key: str) -> str:
+        return self.origins.get(key, key)
+
+
+def read_setting(env: Mapping[str, str], key: str, parse: Callable[[str], T]) -> T:
+    """``parse(env[key])``; a value it cannot read is refused naming where it was set."""
+    return read_as(env.origin(key) if isinstance(env, Settings) else key, env[key], parse)
+
+
+def read_as(origin: str, text: str, parse: Callable[[str], T]) -> T:
+    """``parse(text)``; its ``InvalidRequest`` says ``origin`` (a variable, a flag, a file's key) first."""
+    try:
+        return parse(text)
+    except InvalidRequest as exc:
+        raise InvalidRequest(f"{origin}: {exc}") from None

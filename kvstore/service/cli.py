@@ -23,7 +23,7 @@ import os
 import sys
 from dataclasses import replace
 
-from kvstore.config import DiskConfig, HostConfig, StoreConfig, default_data_dir, parse_size
+from kvstore.config import DiskConfig, HostConfig, StoreConfig, default_data_dir, parse_size, read_as
 from kvstore.errors import KVStoreError, describe_os_error
 from kvstore.service.config import DEFAULT_ADDRESS, ServeConfig
 from kvstore.service.config_file import layered_environment
@@ -76,9 +76,9 @@ def store_config(args: argparse.Namespace, environ=None) -> StoreConfig:
     if args.data_dir:
         disk.path = os.path.join(args.data_dir, "disk")
     if args.host_capacity is not None:
-        host.capacity_bytes = parse_size(args.host_capacity)
+        host.capacity_bytes = read_as("--host-capacity", args.host_capacity, parse_size)
     if args.disk_capacity is not None:
-        disk.capacity_bytes = parse_size(args.disk_capacity)
+        disk.capacity_bytes = read_as("--disk-capacity", args.disk_capacity, parse_size)
     return replace(config, host=None if host.capacity_bytes == 0 else host,
                    disk=None if disk.capacity_bytes == 0 else disk)
 
@@ -87,7 +87,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvstore.service.server import IntegrityCheckFailed, serve  # grpc loads only for this command
 
     environ = layered_environment(args.config)
-    staging = parse_size(args.staging_capacity) if args.staging_capacity is not None else None
+    staging = None if args.staging_capacity is None else read_as("--staging-capacity", args.staging_capacity,
+                                                                 parse_size)
     config = ServeConfig.from_env(environ, address=args.address, http_address=args.http_address,
                                   data_address=args.data_address, token_file=args.token_file,
                                   tls_cert=args.tls_cert, tls_key=args.tls_key, allow_plaintext=args.allow_plaintext,

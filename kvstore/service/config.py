@@ -30,7 +30,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Mapping
 
-from kvstore.config import ENV_PREFIX, parse_bool, parse_size
+from kvstore.config import ENV_PREFIX, parse_bool, parse_seconds, parse_size, read_setting
 from kvstore.errors import InvalidRequest
 from kvstore.service.limits import ServiceLimits
 from kvstore.service.staging import DEFAULT_STAGING_BYTES, MIN_STAGING_BYTES
@@ -42,7 +42,8 @@ DATA_OFF = "off"
 DATA_AUTO = "auto"
 
 _STRINGS = ("address", "http_address", "data_address", "token", "token_file", "tls_cert", "tls_key")
-_BOOLS = ("allow_plaintext", "protect_metrics", "durable_puts", "check_integrity_on_exit")
+_PARSED = (("allow_plaintext", parse_bool), ("protect_metrics", parse_bool), ("durable_puts", parse_bool),
+           ("check_integrity_on_exit", parse_bool), ("staging_bytes", parse_size), ("shutdown_grace_s", parse_seconds))
 
 
 @dataclass(frozen=True)
@@ -91,20 +92,9 @@ class ServeConfig:
         """Defaults, then ``KVSTORE_*`` variables, then ``overrides`` (None values are ignored)."""
         env = os.environ if environ is None else environ
         values: dict = {name: env[ENV_PREFIX + name.upper()] for name in _STRINGS if ENV_PREFIX + name.upper() in env}
-        values.update({name: parse_bool(env[ENV_PREFIX + name.upper()]) for name in _BOOLS
-                       if ENV_PREFIX + name.upper() in env})
-        if ENV_PREFIX + "STAGING_BYTES" in env:
-            values["staging_bytes"] = parse_size(env[ENV_PREFIX + "STAGING_BYTES"])
-        if ENV_PREFIX + "SHUTDOWN_GRACE_S" in env:
-            values["shutdown_grace_s"] = _seconds(env[ENV_PREFIX + "SHUTDOWN_GRACE_S"])
-        limits = {f.name: _seconds(env[key]) if f.type == "float" else parse_size(env[key])
+        values.update({name: read_setting(env, ENV_PREFIX + name.upper(), parse)
+                       for name, parse in _PARSED if ENV_PREFIX + name.upper() in env})
+        limits = {f.name: read_setting(env, key, parse_seconds if f.type == "float" else parse_size)
                   for f in fields(ServiceLimits) if (key := ENV_PREFIX + f.name.upper()) in env}
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(limits=ServiceLimits(**limits), **values)
-
-
-def _seconds(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise InvalidRequest(f"cannot read {text!r} as seconds; examples: 10, 2.5") from None

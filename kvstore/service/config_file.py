@@ -23,7 +23,7 @@ import sys
 from dataclasses import fields
 from typing import Mapping
 
-from kvstore.config import ENV_PREFIX
+from kvstore.config import ENV_PREFIX, Settings
 from kvstore.errors import InvalidRequest
 from kvstore.service.config import ServeConfig
 from kvstore.service.limits import ServiceLimits
@@ -35,7 +35,7 @@ SERVE_KEYS = (*(f.name for f in fields(ServeConfig) if f.name != "limits"), *(f.
 KNOWN_KEYS = frozenset(STORE_KEYS + SERVE_KEYS + ("data_dir",))
 
 
-def read_config_file(path: str) -> dict[str, str]:
+def read_config_file(path: str) -> Settings:
     """The ``KVSTORE_*`` variables ``path`` stands for (``data_dir`` becomes ``KVSTORE_DISK_PATH``)."""
     if sys.version_info >= (3, 11):
         import tomllib
@@ -51,23 +51,26 @@ def read_config_file(path: str) -> dict[str, str]:
     return as_environment(table, path)
 
 
-def as_environment(table: Mapping[str, object], source: str = "the config file") -> dict[str, str]:
+def as_environment(table: Mapping[str, object], source: str = "the config file") -> Settings:
+    """The variables ``table`` stands for, each remembering its key in ``source`` (for errors)."""
     unknown = sorted(set(table) - KNOWN_KEYS)
     if unknown:
         raise InvalidRequest(f"{source}: unknown keys {unknown}; known keys: {sorted(KNOWN_KEYS)}")
-    env = {}
+    env, origins = {}, {}
     for key, value in table.items():
         if isinstance(value, (dict, list)):
             raise InvalidRequest(f"{source}: {key} must be a string, number or boolean, got {type(value).__name__}")
         text = ("1" if value else "0") if isinstance(value, bool) else str(value)
-        if key == "data_dir":
-            env[ENV_PREFIX + "DISK_PATH"] = os.path.join(text, "disk")
-        else:
-            env[ENV_PREFIX + key.upper()] = text
-    return env
+        variable = ENV_PREFIX + ("DISK_PATH" if key == "data_dir" else key.upper())
+        env[variable] = os.path.join(text, "disk") if key == "data_dir" else text
+        origins[variable] = f"{key} in {source}"
+    return Settings(env, origins)
 
 
-def layered_environment(config_file: str | None, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+def layered_environment(config_file: str | None, environ: Mapping[str, str] | None = None) -> Settings:
     """The file's variables overlaid by the real environment (which wins)."""
     env = dict(os.environ if environ is None else environ)
-    return {**read_config_file(config_file), **env} if config_file else env
+    if not config_file:
+        return Settings(env)
+    file = read_config_file(config_file)
+    return Settings({**file, **env}, {key: origin for key, origin in file.origins.items() if key not in env})

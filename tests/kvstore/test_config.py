@@ -73,3 +73,16 @@ def test_open_store_builds_host_then_disk(tmp_path):
         assert [t.name for t in store.tiers] == ["host", "disk"]
         assert store.tiers[0].capacity_bytes == 1 << 20 and store.tiers[1].capacity_bytes == 4 << 20
     assert not list(tmp_path.glob("kvstore-*")), "closing the store removes the shared-memory file"
+
+
+@pytest.mark.parametrize("key, value, reading", [
+    ("KVSTORE_PROMOTE_ON_HIT", "sometimes", "as a boolean; use 1/0"),
+    ("KVSTORE_HOST_CAPACITY", "4 MiBs", "as a size; examples"),
+    ("KVSTORE_HOST_PAGE_BYTES", "lots", "as a size; examples"),
+    ("KVSTORE_DIRECT_IO", "maybe", "as a boolean; use 1/0"),
+])
+def test_a_value_that_cannot_be_read_is_refused_naming_its_variable(key, value, reading):
+    """Before, the message said only "cannot read 'sometimes' as a boolean": which of a dozen
+    variables held it was left to guess."""
+    with pytest.raises(InvalidRequest, match=f"^{key}: cannot read '{value}' {reading}"):
+        StoreConfig.from_env({key: value})

@@ -21,3 +21,16 @@ def test_a_staging_area_smaller_than_one_page_is_refused_naming_what_works(stagi
 @pytest.mark.parametrize("staging_bytes", [0, 4096, 256 << 20])
 def test_no_staging_or_at_least_a_page_is_accepted(staging_bytes):
     assert ServeConfig(staging_bytes=staging_bytes).staging_bytes == staging_bytes
+
+
+@pytest.mark.parametrize("key, value, reading", [
+    ("KVSTORE_STREAM_IDLE_TIMEOUT_S", "30s", "as seconds"),
+    ("KVSTORE_SHUTDOWN_GRACE_S", "10s", "as seconds"),
+    ("KVSTORE_MAX_CHUNK_BYTES", "1 MiBs", "as a size"),
+    ("KVSTORE_STAGING_BYTES", "lots", "as a size"),
+    ("KVSTORE_DURABLE_PUTS", "sometimes", "as a boolean"),
+])
+def test_a_value_that_cannot_be_read_is_refused_naming_its_variable(key, value, reading):
+    """Before, "cannot read '30s' as seconds" left the operator to guess which setting held it."""
+    with pytest.raises(InvalidRequest, match=f"^{key}: cannot read '{value}' {reading}"):
+        ServeConfig.from_env({key: value})

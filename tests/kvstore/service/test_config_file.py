@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from dataclasses import fields
@@ -83,3 +84,29 @@ def test_every_serve_setting_is_a_file_key(tmp_path):
     for field in fields(ServeConfig):
         if field.name != "limits":
             assert as_environment({field.name: "1"}) == {f"KVSTORE_{field.name.upper()}": "1"}
+
+
+def test_a_bad_value_in_the_config_file_is_named_by_its_key_and_the_file(tmp_path):
+    """Before, a file with "4 MiBs" among several sizes said only "cannot read '4 MiBs' as a size"."""
+    config = tmp_path / "kvstore.toml"
+    config.write_text('host_capacity = "8MiB"\ndisk_capacity = "64MiB"\nstaging_bytes = "4 MiBs"\n'
+                      'promote_on_hit = "sometimes"\n')
+    environ = layered_environment(str(config), {})
+    with pytest.raises(InvalidRequest, match=f"^staging_bytes in {re.escape(str(config))}: cannot read '4 MiBs' as a size"):
+        ServeConfig.from_env(environ)
+    with pytest.raises(InvalidRequest, match=f"^promote_on_hit in {re.escape(str(config))}: cannot read 'sometimes' as a boolean"):
+        StoreConfig.from_env(environ)
+    overridden = layered_environment(str(config), {"KVSTORE_PROMOTE_ON_HIT": "perhaps"})
+    with pytest.raises(InvalidRequest, match="^KVSTORE_PROMOTE_ON_HIT: cannot read 'perhaps'"):
+        StoreConfig.from_env(overridden)
+
+    done = subprocess.run([sys.executable, "-m", "kvstore.service", "--config", str(config), "--address",
+                           "127.0.0.1:0", "--http-address", "off", "--data-address", "off",
+                           "--data-dir", str(tmp_path)], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": REPO})
+    assert done.returncode == 2, done.stderr
+    assert f"kvstore serve: staging_bytes in {config}: cannot read '4 MiBs' as a size" in done.stderr
+    flag = subprocess.run([sys.executable, "-m", "kvstore.service", "--host-capacity", "lots", "--address",
+                           "127.0.0.1:0", "--http-address", "off", "--data-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": REPO})
+    assert flag.returncode == 2 and "kvstore serve: --host-capacity: cannot read 'lots' as a size" in flag.stderr
