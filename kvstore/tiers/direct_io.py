@@ -38,13 +38,13 @@ _local = threading.local()
 
 
 def open_direct(path: str, writable: bool = False) -> int | None:
-    """An O_DIRECT descriptor for ``path`` (read-only, or write-only with ``writable``), or None
-    where O_DIRECT is not supported."""
+    """An O_DIRECT descriptor for ``path`` (read-only, or with ``writable`` read-write, the file
+    created if missing), or None where O_DIRECT is not supported."""
     flag = getattr(os, "O_DIRECT", 0)
     if not flag:
         return None
     try:
-        return os.open(path, (os.O_WRONLY if writable else os.O_RDONLY) | flag)
+        return os.open(path, (os.O_RDWR | os.O_CREAT if writable else os.O_RDONLY) | flag, 0o644)
     except OSError as exc:
         if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):
             return None

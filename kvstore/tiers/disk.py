@@ -27,8 +27,12 @@ synced index write.
 Space: capacity counts record footprints. Removing a record punches a hole over it; a segment
 with no live record left is deleted. On a file system without hole punching the dead bytes
 keep counting until their whole segment dies. A write the file system cannot take (no space
-for the record or for the index's log) is a rejected write counted in ``io_errors``; the index
-is reopened after such a failure (``_commit``), so writes resume once space is freed.
+for the record or for the index's log, no inode or descriptor for a new segment file) is a
+rejected write counted in ``io_errors``; the index is reopened after such a failure
+(``_commit``), so writes resume once space is freed.
+
+Descriptors: one per segment file for as long as the tier uses it (``SegmentFile`` says why not
+fewer), plus RocksDB's; opening a tier raises the process's soft RLIMIT_NOFILE to the hard one.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ from kvstore.tiers.direct_io import (
 )
 from kvstore.tiers.disk_files import (
     BLOCK_KEY_PREFIX, TAIL_KEY, TAIL_VALUE, DirectoryLock, IndexEntry, SegmentFile, fsync_directory, open_index,
-    segment_name, supports_direct, truncate_quietly,
+    raise_open_files_limit, segment_name, supports_direct, truncate_quietly,
 )
 from kvstore.tiers.disk_recovery import DiskRecovery
 from kvstore.tiers.read_ahead import ReadAhead, Record, ThreadRuns
@@ -104,6 +108,7 @@ class DiskTier(DiskRecovery, Tier):
         self._unindexed: set[bytes] = set()  # removed blocks whose index delete is still to be committed
         os.makedirs(self.path, exist_ok=True)
         self._dir_lock = DirectoryLock(self.path)  # first: another process's directory is never touched
+        raise_open_files_limit()  # one descriptor per segment file
         try:
             self._open(direct_io)
         except BaseException:
@@ -174,20 +179,22 @@ class DiskTier(DiskRecovery, Tier):
             assert key not in self._index, "duplicate disk write (store bug)"
             if self.used_bytes + size > self.capacity_bytes:
                 return False
-            if (self._active is None or (self._tail and self._tail + size > self.segment_bytes)
-                    or os.fstat(self._active.fd).st_nlink == 0):  # deleted behind our back
-                self._roll_segment()
-            segment, offset = self._active, self._tail
-            entry = IndexEntry(segment.id, offset, meta.nbytes, meta.num_layers, self._seq, meta.parent)
-            header = RecordHeader(key, meta.nbytes, meta.num_layers, self._seq, meta.parent, meta.checksums)
+            segment = offset = None
             try:
+                if (self._active is None or (self._tail and self._tail + size > self.segment_bytes)
+                        or os.fstat(self._active.fd).st_nlink == 0):  # deleted behind our back
+                    self._roll_segment()  # a new file: no inode or no descriptor left fails the write
+                segment, offset = self._active, self._tail
+                entry = IndexEntry(segment.id, offset, meta.nbytes, meta.num_layers, self._seq, meta.parent)
+                header = RecordHeader(key, meta.nbytes, meta.num_layers, self._seq, meta.parent, meta.checksums)
                 self._write_record(segment, offset, header.encode(), payload, size)
                 self._commit({BLOCK_KEY_PREFIX + key: entry.encode(), TAIL_KEY: TAIL_VALUE.pack(segment.id, offset + size)})
             except Exception as exc:  # OSError from the segment, rocksdict raises plain Exception
                 self._count("io_errors", 1)
                 log.error("disk tier %s: write failed (%s); block not stored", self.path, exc)
-                truncate_quietly(segment.fd, offset)
-                self._unindexed.add(key)  # in case the failed batch reached the index's log after all
+                if segment is not None:
+                    truncate_quietly(segment.fd, offset)
+                    self._unindexed.add(key)  # in case the failed batch reached the index's log after all
                 return False
             self._index[key] = entry
             self._seq += 1
@@ -198,8 +205,8 @@ class DiskTier(DiskRecovery, Tier):
 
     def _write_record(self, segment: SegmentFile, offset: int, header: bytes, payload: np.ndarray, size: int) -> None:
         segment.dirty = True  # the file's size (and, buffered, its pages) await fdatasync either way
-        if segment.write_fd is not None:
-            write_record_direct(segment.write_fd, offset, header, payload.reshape(-1).view(np.uint8), size,
+        if segment.direct:
+            write_record_direct(segment.fd, offset, header, payload.reshape(-1).view(np.uint8), size,
                                 self._writer)
             if self.durable:
                 os.fdatasync(segment.fd)
@@ -213,14 +220,11 @@ class DiskTier(DiskRecovery, Tier):
 
     def _roll_segment(self) -> None:
         next_id = max(self._segments, default=0) + 1
-        segment = SegmentFile(next_id, os.path.join(self._segments_dir, segment_name(next_id)), self.direct_io,
-                           appends=True)
+        segment = SegmentFile(next_id, os.path.join(self._segments_dir, segment_name(next_id)), self.direct_io)
         if self.durable:  # the new file's directory entry must survive a power loss too
             fsync_directory(self._segments_dir)
         self._segments[next_id] = segment
         old, self._active, self._tail = self._active, segment, 0
-        if old is not None:
-            old.seal()
         if old is not None and old.live_bytes == 0:
             self._delete_segment(old)
 
@@ -246,8 +250,8 @@ class DiskTier(DiskRecovery, Tier):
             if span is not None:  # read ahead while the blocks before it were verified and copied
                 header_page, data = span[:HEADER_BYTES], span[HEADER_BYTES : HEADER_BYTES + dst.nbytes]
                 complete = header_page.nbytes == HEADER_BYTES and data.nbytes == dst.nbytes
-            elif segment.direct_fd is not None:
-                header_page, data = read_record_direct(segment.direct_fd, entry.offset, start, dst.nbytes)
+            elif segment.direct:
+                header_page, data = read_record_direct(segment.fd, entry.offset, start, dst.nbytes)
                 complete = header_page.nbytes == HEADER_BYTES and data.nbytes == dst.nbytes
             else:
                 header_page, data = np.empty(HEADER_BYTES, np.uint8), dst
@@ -315,9 +319,9 @@ class DiskTier(DiskRecovery, Tier):
         for key in keys:
             entry = self._index.get(key)
             segment = self._segments.get(entry.segment) if entry else None
-            if segment is None or segment.direct_fd is None:
+            if segment is None or not segment.direct:
                 break
-            records.append(Record(key, segment.id, segment.direct_fd, entry.offset, footprint(entry.nbytes)))
+            records.append(Record(key, segment.id, segment.fd, entry.offset, footprint(entry.nbytes)))
             owners.append(segment)
         self._runs.start(records, tuple(owners))
 
@@ -334,8 +338,8 @@ class DiskTier(DiskRecovery, Tier):
         segment = self._segments.get(entry.segment)
         if segment is None:
             return None
-        if segment.direct_fd is not None:
-            return RecordHeader.decode(read_direct(segment.direct_fd, entry.offset, HEADER_BYTES))
+        if segment.direct:
+            return RecordHeader.decode(read_direct(segment.fd, entry.offset, HEADER_BYTES))
         return RecordHeader.decode(os.pread(segment.fd, HEADER_BYTES, entry.offset))
 
     def remove(self, key: bytes) -> bool:

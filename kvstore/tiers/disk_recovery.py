@@ -12,8 +12,10 @@ tier serves anything; ``_commit`` with the tier's lock held.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import resource
 
 from rocksdict import WriteBatch
 
@@ -68,9 +70,7 @@ class DiskRecovery:
             if segment_id > tail_segment:  # created, but nothing in it was ever committed
                 os.unlink(os.path.join(self._segments_dir, segment_name(segment_id)))
                 continue
-            path = os.path.join(self._segments_dir, segment_name(segment_id))
-            appends = segment_id == tail_segment  # the active segment: writes go on
-            self._segments[segment_id] = SegmentFile(segment_id, path, self.direct_io, appends)
+            self._segments[segment_id] = self._open_segment(segment_id, len(on_disk))
         for entry in self._index.values():
             self._segments[entry.segment].live_bytes += footprint(entry.nbytes)
         if tail_segment in self._segments:
@@ -82,6 +82,19 @@ class DiskRecovery:
             elif size < tail_offset:  # cut short behind our back: keep appends after every committed record
                 os.ftruncate(self._active.fd, tail_offset)
             self._tail = tail_offset
+
+    def _open_segment(self, segment_id: int, count: int) -> SegmentFile:
+        """Segment ``segment_id`` of ``count``; running out of descriptors says what to change."""
+        try:
+            return SegmentFile(segment_id, os.path.join(self._segments_dir, segment_name(segment_id)), self.direct_io)
+        except OSError as exc:
+            if exc.errno not in (errno.EMFILE, errno.ENFILE):
+                raise
+            limit = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+            raise OSError(exc.errno, f"disk tier {self.path} has {count} segment files and keeps one descriptor "
+                                     f"open per file, more than this process may open ({exc.strerror}; hard "
+                                     f"RLIMIT_NOFILE {limit}): raise the limit (ulimit -Hn, systemd LimitNOFILE) "
+                                     f"or use larger segments") from exc
 
     def _rebuild_index(self, on_disk: list[int]) -> None:
         """Recreate the index from segment headers, verifying every payload."""

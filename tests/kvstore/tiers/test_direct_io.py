@@ -56,7 +56,7 @@ def test_disk_tier_reads_blocks_and_layers_both_ways(tmp_path, direct):
     payload = np.random.default_rng(1).integers(0, 256, 4 * 3000, dtype=np.uint8)  # 4 layers, unaligned sizes
     assert tier.write(b"k" * 32, payload, BlockMeta(payload.nbytes, 4, layer_checksums(payload, 4)))
     segment = next(iter(tier._segments.values()))
-    assert (segment.direct_fd is not None) == (direct and direct_io.open_direct(segment.path) is not None)
+    assert segment.direct == (direct and direct_io.open_direct(segment.path) is not None)
     whole = np.empty_like(payload)
     assert tier.read(b"k" * 32, whole) and np.array_equal(whole, payload)
     layer = np.empty(3000, np.uint8)
@@ -73,8 +73,7 @@ def test_disk_tier_writes_both_ways_and_every_record_survives_a_reopen(tmp_path,
     for i, payload in enumerate(payloads):
         assert tier.write(bytes([i]) * 32, payload, BlockMeta(payload.nbytes, 4, layer_checksums(payload, 4)))
     supported = direct_io.open_direct(tier._active.path, writable=True) is not None
-    assert (tier._active.write_fd is not None) == (direct and supported)
-    assert all(s.write_fd is None for s in tier._segments.values() if s is not tier._active), "sealed"
+    assert all(s.direct == (direct and supported) for s in tier._segments.values())
     tier.close()
     tier = DiskTier(path, 1 << 24, segment_bytes=40_000, direct_io=direct)
     extra = rng.integers(0, 256, 4 * 3001, dtype=np.uint8)  # appended after a reopen, to the same tail

@@ -1,6 +1,6 @@
 """Disk tier on a real file system that fills up (a small tmpfs): a write the disk cannot take is a
-counted, rejected write, whether the segment, the index's write-ahead log or a new segment's inode
-ran out; the tier takes writes again once space is freed, closes cleanly meanwhile, and a healthy
+counted, rejected write, whether the segment, the index's write-ahead log or the inodes (a new
+segment file) ran out; the tier takes writes again once space is freed, closes cleanly meanwhile, and a healthy
 index is never mistaken for a corrupt one."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import errno
 import logging
 import os
 import shutil
+import subprocess
 
 import numpy as np
 import pytest
@@ -136,3 +137,20 @@ def test_opening_a_healthy_tier_on_a_full_disk_fails_clearly_and_leaves_the_inde
     assert tier.stats().extra["index_rebuilds"] == 0 and tier.stats().blocks == 10
     assert all(reads_exact(tier, i) for i in range(10))
 
+
+
+def test_running_out_of_inodes_rejects_writes_as_io_errors_until_segments_die(small_tmpfs, open_tier):
+    """A new segment file needs an inode: before, the ENOSPC of creating it escaped ``write``."""
+    mount = small_tmpfs(64 << 20)
+    subprocess.run(["mount", "-o", "remount,nr_inodes=40", mount], check=True)
+    tier = open_tier(os.path.join(mount, "disk"), segment_bytes=2 * FP)
+    results = [put(tier, i) for i in range(120)]
+    stored = results.index(False)
+    assert 0 < stored and results == [True] * stored + [False] * (120 - stored)
+    assert tier.stats().io_errors == 120 - stored and tier.stats().blocks == stored
+    tier.check_integrity()
+    assert all(reads_exact(tier, i) for i in range(stored))
+    for i in range(4):  # two sealed segments die and give their inodes back
+        assert tier.remove(key_of(i))
+    assert put(tier, 1000) and reads_exact(tier, 1000)
+    tier.check_integrity()

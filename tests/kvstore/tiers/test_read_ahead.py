@@ -32,7 +32,7 @@ def tier(tmp_path):
     for i, payload in enumerate(tier.payloads):
         assert tier.write(key(i), payload, BlockMeta(NBYTES, LAYERS, layer_checksums(payload, LAYERS)))
     tier.flush()
-    if tier._active.direct_fd is None:
+    if not tier._active.direct:
         pytest.skip("this file system has no O_DIRECT")
     yield tier
     tier.close()
