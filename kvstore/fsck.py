@@ -80,7 +80,9 @@ def _read_index(index_dir: str) -> tuple[dict[bytes, tuple[int, int, int]], tupl
 
 def fsck(path: str, progress: ProgressFactory | None = None, repair: bool = False) -> FsckReport:
     """Check the tier at ``path`` (after repairing it, with ``repair``). The check changes nothing.
-    Raises ``InvalidRequest`` if ``path`` is no disk tier, ``NotPermitted`` if a process has it open."""
+    Raises ``InvalidRequest`` if ``path`` is no disk tier, ``NotPermitted`` if a process has it open,
+    and, with ``repair``, ``OSError`` naming the cause if the tier cannot be opened for a reason
+    outside it (no space left, a read-only file system...: ``open_index``), having changed nothing."""
     if not os.path.isdir(os.path.join(path, "segments")):
         raise InvalidRequest(f"{path} is not a kvstore disk tier directory (no segments/ inside)")
     report = FsckReport(path=os.path.abspath(path))

@@ -1,7 +1,7 @@
 """Disk tier on a real file system that fills up (a small tmpfs): a write the disk cannot take is a
 counted, rejected write, whether the segment, the index's write-ahead log or the inodes (a new
-segment file) ran out; the tier takes writes again once space is freed, closes cleanly meanwhile, and a healthy
-index is never mistaken for a corrupt one."""
+segment file) ran out; the tier takes writes again once space is freed, closes cleanly
+meanwhile, and a healthy index is never mistaken for a corrupt one."""
 
 from __future__ import annotations
 
