@@ -207,11 +207,11 @@ class TieredStore(PlacementMixin, LeaseHolderMixin):
                 keys = self._readable_run(keys, lease_id)
                 self._leases.pin(keys)
                 lower = [[k for k in keys if (self._bits(k) & -self._bits(k)) == 1 << t] for t in range(len(self.tiers))]
+            served: list[str] = []
             try:
                 for t, tier_keys in enumerate(lower):  # let tiers that can read ahead start now
                     if tier_keys:
                         self.tiers[t].prefetch(tier_keys)
-                served = []
                 for key, view in zip(keys, views):
                     tier = self._load_one(key, view, 0, spec.num_layers)
                     if tier is None:
@@ -221,6 +221,9 @@ class TieredStore(PlacementMixin, LeaseHolderMixin):
                 with self._lock:
                     self._leases.unpin(keys)
                     self._bury_doomed(keys)
+                if len(served) < len(keys):  # stopped early: end the read-ahead runs it started
+                    for t in (t for t, tier_keys in enumerate(lower) if tier_keys):
+                        self.tiers[t].prefetch([])
             return LoadResult(len(block_hashes), tuple(served), len(served) * spec.block_bytes)
         finally:
             if lease_id is not None:
@@ -470,8 +473,10 @@ class TieredStore(PlacementMixin, LeaseHolderMixin):
             self._writer.close()
         self._hasher.shutdown(cancel_futures=True)
         for tier in self.tiers:
-            tier.flush()
-            tier.close()
+            try:
+                tier.flush()
+            finally:
+                tier.close()
 
     def __enter__(self) -> "TieredStore":
         return self

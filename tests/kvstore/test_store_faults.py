@@ -335,3 +335,43 @@ def test_a_loop_already_on_disk_is_removed_at_restart_not_adopted(make_store, tm
     store.register_namespace(namespace)
     assert store.lookup(ns_id, [chain[3]]).hit_blocks == 1
     store.check_integrity()
+
+
+def test_a_load_stopped_by_an_error_ends_the_read_ahead_it_started(make_store, namespace, spec, chain):
+    """Promoting block 0 raises: the disk's read-ahead of blocks 1, 2 must not stay open (its
+    buffers and the segments they read, deleted or not, held until this thread's next read)."""
+    store = make_store(host_bytes=64 << 10, page_bytes=16 << 10, background_writes=False)
+    ns_id = store.register_namespace(namespace)
+    store.put(ns_id, chain[:3], payloads_for(spec, chain[:3]))
+    store.flush()
+    store.close()
+    store = make_store(host_bytes=64 << 10, page_bytes=16 << 10, background_writes=False)  # disk only now
+    store.register_namespace(namespace)
+    disk = store.tiers[1]
+    if not disk.direct_io:
+        pytest.skip("this file system has no O_DIRECT: no read-ahead run")
+
+    def fails(*args, **kwargs):
+        raise OSError("injected: the host tier cannot take the promoted block")
+
+    store.tiers[0].write = fails
+    with pytest.raises(OSError, match="injected"):
+        store.load(ns_id, chain[:3], [np.zeros(spec.block_bytes, np.uint8) for _ in range(3)])
+    assert disk._runs.current() is None, "the read-ahead run stayed open"
+    assert not any(store._leases.is_pinned(ns_id + h) for h in chain[:3])
+
+
+def test_a_tier_whose_flush_raises_at_close_is_still_closed(make_store, tmp_path, namespace):
+    """Its directory lock must be let go: before, a reopen in the same process was refused."""
+    from kvstore.tiers.disk import DiskTier
+
+    store = make_store(host_bytes=None, background_writes=False)
+    store.register_namespace(namespace)
+
+    def fails():
+        raise OSError("injected: fdatasync failed")
+
+    store.tiers[0].flush = fails
+    with pytest.raises(OSError, match="injected"):
+        store.close()
+    DiskTier(str(tmp_path / "disk"), 4 << 20).close()
