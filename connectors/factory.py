@@ -3,6 +3,7 @@
     KVSTORE_SIDECAR=127.0.0.1:50551   (or unix:/run/kvstore.sock)  -> SidecarConnector to that sidecar
     unset                                                          -> StoreConnector over an in-process store
     KVSTORE_LOAD_TIMEOUT_S=30 (or off)                             -> how long a load may take, either way
+    KVSTORE_MAX_TRANSFER_BLOCKS, KVSTORE_MAX_LOOKUP_BLOCKS, ...    -> a sidecar's limits, read as it reads them
 
 An explicit ``sidecar`` argument (a ``--sidecar ADDRESS`` flag) wins over the variable. Without a
 sidecar, ``store`` is used when given; otherwise a store is opened from ``StoreConfig.from_env``
@@ -20,6 +21,7 @@ from connectors.store_connector import StoreConnector
 from kvstore.config import ENV_PREFIX
 from kvstore.errors import InvalidRequest
 from kvstore.keys import Namespace
+from kvstore.service.limits import ServiceLimits
 
 SIDECAR_ENV = ENV_PREFIX + "SIDECAR"
 LOAD_TIMEOUT_ENV = ENV_PREFIX + "LOAD_TIMEOUT_S"
@@ -52,13 +54,15 @@ def connector_from_config(namespace: Namespace, *, sidecar: str | None = None, s
     """A ``SidecarConnector`` when a sidecar address is configured, else a ``StoreConnector``.
 
     ``options`` go to the connector (``lease_ttl_s``, ``read_only``, ``load_timeout_s``; for a
-    sidecar also ``timeout_s`` and ``limits``)."""
+    sidecar also ``timeout_s`` and ``limits``, by default ``ServiceLimits.from_env``: give the
+    engine the sidecar's ``KVSTORE_MAX_*`` variables, or it sends batches the sidecar refuses)."""
     address = sidecar_address(sidecar, environ)
     options.setdefault("load_timeout_s", load_timeout_from(environ))
     if address:
         # grpc loads only for a sidecar
         from connectors.sidecar_connector import SidecarConnector
 
+        options.setdefault("limits", ServiceLimits.from_env(environ))
         return SidecarConnector(address, namespace, **options)
     if store is not None:
         return StoreConnector(store, namespace, **options)

@@ -68,7 +68,9 @@ class SidecarConnector(KVConnector):
                  lookup_timeout_s: float = DEFAULT_LOOKUP_TIMEOUT_S,
                  max_pending_save_bytes: int = DEFAULT_MAX_PENDING_SAVE_BYTES):
         """``sidecar``: ``HOST:PORT``, ``unix:PATH`` or a client (then the caller closes it).
-        ``limits`` must match the sidecar's (transfer batch size, chunk and message sizes).
+        ``limits`` must match the sidecar's (transfer batch size, chunk and message sizes):
+        ``ServiceLimits.from_env()`` reads the ``KVSTORE_MAX_*`` variables as the sidecar does
+        (``connector_from_config`` passes it).
         ``timeout_s`` bounds each call to the sidecar, ``lookup_timeout_s`` a lookup (the engine
         waits on it), ``load_timeout_s`` a whole load, after which the engine gives up on it and
         recomputes (None: no bound). A sidecar that stops answering is skipped for a back-off

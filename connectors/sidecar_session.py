@@ -4,7 +4,8 @@ sidecar's availability logged once per change rather than once per call. Shared 
 
 ``call(fn)`` registers the namespace first if needed and once more after a ``NOT_FOUND`` (a
 restarted sidecar has forgotten it), then runs ``fn`` again. Failures propagate: the connector
-decides that they are misses. A sidecar found not answering (``UNAVAILABLE``, or a call past its
+decides that they are misses, and ``failed`` logs them, telling a sidecar that stopped answering
+from one that refused a call (a limit, a malformed request) while answering. A sidecar found not answering (``UNAVAILABLE``, or a call past its
 deadline: a hung sidecar) is skipped for a back-off window (``connectors.backoff``): ``call``
 raises ``SidecarNotAnswering`` at once instead of each call waiting out its timeout. Thread-safe
 (``KVStoreClient`` is; registering twice is harmless).
@@ -45,6 +46,7 @@ class SidecarSession:
         self.backoff = backoff or Backoff()
         self._registered = False
         self._available = True
+        self._refusals: set[tuple[str, object]] = set()  # (what, status code or exception type) logged once
 
     def call(self, fn: Callable[[], T], timeout_s: float | None = None, needs_namespace: bool = True) -> T:
         """``fn()`` unless the sidecar is being skipped. ``timeout_s`` bounds the namespace's
@@ -79,7 +81,24 @@ class SidecarSession:
         self._registered = True
 
     def failed(self, what: str, exc: Exception) -> None:
-        """Log a failed call: a warning when the sidecar was answering until now, else at debug level."""
+        """Log a failed call. A sidecar that stopped answering: a warning when it was answering
+        until now, else at debug level. A call it answered with an error (a limit, a malformed
+        request) says so: a warning the first time such a call fails that way, then debug level;
+        the sidecar still counts as answering."""
+        if not_answering(exc):
+            self._not_answering(what, exc)
+            return
+        kind = (what, exc.code() if isinstance(exc, grpc.RpcError) else type(exc))
+        if kind in self._refusals:
+            log.debug("kvstore sidecar %s: cannot %s (%s)", self.target, what, describe(exc))
+            return
+        self._refusals.add(kind)
+        refused = isinstance(exc, grpc.RpcError)
+        head = f"kvstore sidecar {self.target} refused to {what}" if refused else \
+            f"kvstore sidecar {self.target}: cannot {what}"
+        log.warning("%s (%s); such calls are misses (more like it are logged at debug level)", head, describe(exc))
+
+    def _not_answering(self, what: str, exc: Exception) -> None:
         if isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE:
             self._registered = False  # it may come back as a new process
         if self._available:
@@ -103,6 +122,11 @@ class SidecarSession:
     def _ensure_registered(self, timeout_s: float | None = None) -> None:
         if not self._registered:
             self.register(timeout_s)
+
+
+def not_answering(exc: Exception) -> bool:
+    """True for a call skipped in a back-off window, refused a connection, or past its deadline."""
+    return isinstance(exc, SidecarNotAnswering) or (isinstance(exc, grpc.RpcError) and exc.code() in NOT_ANSWERING)
 
 
 def describe(exc: Exception) -> str:

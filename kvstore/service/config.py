@@ -27,7 +27,7 @@ token, and without TLS (kvstore.service.security).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Mapping
 
 from kvstore.config import ENV_PREFIX, parse_bool, parse_seconds, parse_size, read_setting
@@ -94,7 +94,5 @@ class ServeConfig:
         values: dict = {name: env[ENV_PREFIX + name.upper()] for name in _STRINGS if ENV_PREFIX + name.upper() in env}
         values.update({name: read_setting(env, ENV_PREFIX + name.upper(), parse)
                        for name, parse in _PARSED if ENV_PREFIX + name.upper() in env})
-        limits = {f.name: read_setting(env, key, parse_seconds if f.type == "float" else parse_size)
-                  for f in fields(ServiceLimits) if (key := ENV_PREFIX + f.name.upper()) in env}
         values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(limits=ServiceLimits(**limits), **values)
+        return cls(limits=ServiceLimits.from_env(env), **values)

@@ -27,11 +27,13 @@ from __future__ import annotations
 import collections
 import heapq
 import math
+import os
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
-from typing import Iterator
+from dataclasses import asdict, dataclass, fields
+from typing import Iterator, Mapping
 
+from kvstore.config import ENV_PREFIX, parse_seconds, parse_size, read_setting
 from kvstore.errors import InvalidRequest, KVStoreError, NotPermitted, UnknownLease
 
 MESSAGE_OVERHEAD_BYTES = 1 << 10  # room for a chunk's index, offset and framing
@@ -65,6 +67,15 @@ class ServiceLimits:
         if self.max_chunk_bytes + MESSAGE_OVERHEAD_BYTES > self.max_message_bytes:
             raise InvalidRequest(f"max_message_bytes ({self.max_message_bytes}) must exceed max_chunk_bytes "
                                  f"({self.max_chunk_bytes}) by at least {MESSAGE_OVERHEAD_BYTES}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "ServiceLimits":
+        """Defaults, then ``KVSTORE_<FIELD>`` variables (``KVSTORE_MAX_TRANSFER_BLOCKS=8``). The
+        sidecar and the connectors configured by the same environment read them alike, so an
+        engine never sends a batch its sidecar was told to refuse."""
+        env = os.environ if environ is None else environ
+        return cls(**{f.name: read_setting(env, key, parse_seconds if f.type == "float" else parse_size)
+                      for f in fields(cls) if (key := ENV_PREFIX + f.name.upper()) in env})
 
     def check_blocks(self, name: str, count: int) -> None:
         """Raise ``LimitExceeded`` if ``count`` blocks in one call exceed the limit ``name``."""
