@@ -60,7 +60,6 @@ class TieredStore(PlacementMixin, LeaseHolderMixin):
         policy: str | Callable[[], EvictionPolicy] = DEFAULT_POLICY,
         write_policy: str = "write_through",
         promote_on_hit: bool = True,
-        lease_ttl_s: float = 30.0,
         max_leases: int = 65536,
         background_writes: bool = True,
         clock: Callable[[], float] = time.monotonic,
@@ -81,7 +80,6 @@ class TieredStore(PlacementMixin, LeaseHolderMixin):
         self.policy_name = self._policies[0].name
         self.write_policy = write_policy
         self.promote_on_hit = promote_on_hit
-        self.default_lease_ttl_s = lease_ttl_s
         self._namespaces: dict[bytes, tuple[Namespace, BlockSpec]] = {}
         self._directory = Directory(names)
         self._inflight: set[bytes] = set()  # keys being put right now
