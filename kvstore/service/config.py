@@ -2,7 +2,8 @@
 
 Flags override the environment, the environment overrides the embedded defaults::
 
-    KVSTORE_ADDRESS=127.0.0.1:50551       HOST:PORT, or unix:PATH for a unix socket
+    KVSTORE_ADDRESS=127.0.0.1:50551       HOST:PORT, or unix:PATH for a unix socket (every HOST:PORT here:
+                                          a port from 0, any free one, to 65535; IPv6 as [::1]:PORT)
     KVSTORE_HTTP_ADDRESS=127.0.0.1:50552  metrics, /healthz and the dashboard; "off" disables it
     KVSTORE_DATA_ADDRESS=auto             the native data plane (kvstore.service.dataplane): HOST:PORT,
                                           "auto" (the gRPC address's host, any free port; 127.0.0.1
@@ -28,9 +29,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Mapping
 
-from kvstore.config import ENV_PREFIX, parse_bool, parse_seconds, parse_size, read_setting
+from kvstore.config import ENV_PREFIX, parse_bool, parse_seconds, parse_size, read_as, read_setting
 from kvstore.errors import InvalidRequest
 from kvstore.service.limits import ServiceLimits
 from kvstore.service.staging import DEFAULT_STAGING_BYTES, MIN_STAGING_BYTES
@@ -41,9 +43,15 @@ HTTP_OFF = "off"
 DATA_OFF = "off"
 DATA_AUTO = "auto"
 
-_STRINGS = ("address", "http_address", "data_address", "token", "token_file", "tls_cert", "tls_key")
-_PARSED = (("allow_plaintext", parse_bool), ("protect_metrics", parse_bool), ("durable_puts", parse_bool),
-           ("check_integrity_on_exit", parse_bool), ("staging_bytes", parse_size), ("shutdown_grace_s", parse_seconds))
+MAX_PORT = 65535
+
+_STRINGS = ("token", "token_file", "tls_cert", "tls_key")
+_PARSED = {"allow_plaintext": parse_bool, "protect_metrics": parse_bool, "durable_puts": parse_bool,
+           "check_integrity_on_exit": parse_bool, "staging_bytes": parse_size, "shutdown_grace_s": parse_seconds}
+# What each address may be: its forms (for messages), its words, and whether unix:PATH is one.
+_ADDRESS_FORMS = {"address": ("HOST:PORT or unix:PATH", (), True),
+                  "http_address": ("HOST:PORT or 'off'", (HTTP_OFF,), False),
+                  "data_address": ("HOST:PORT, 'auto' or 'off'", (DATA_AUTO, DATA_OFF), False)}
 
 
 @dataclass(frozen=True)
@@ -64,13 +72,8 @@ class ServeConfig:
     limits: ServiceLimits = field(default_factory=ServiceLimits)
 
     def __post_init__(self) -> None:
-        if not (self.address.startswith("unix:") or ":" in self.address):
-            raise InvalidRequest(f"address must be HOST:PORT or unix:PATH, got {self.address!r}")
-        if self.http_address != HTTP_OFF and (self.http_address.startswith("unix:") or ":" not in self.http_address):
-            raise InvalidRequest(f"http_address must be HOST:PORT or 'off', got {self.http_address!r}")
-        if self.data_address not in (DATA_OFF, DATA_AUTO) and (self.data_address.startswith("unix:")
-                                                                or ":" not in self.data_address):
-            raise InvalidRequest(f"data_address must be HOST:PORT, 'auto' or 'off', got {self.data_address!r}")
+        for name in _ADDRESS_FORMS:
+            read_as(name, getattr(self, name), partial(check_address, name))
         if self.staging_bytes < 0 or 0 < self.staging_bytes < MIN_STAGING_BYTES:
             raise InvalidRequest(f"staging capacity must be 0 (staging off) or at least {MIN_STAGING_BYTES} bytes "
                                  f"(one page), got {self.staging_bytes}; --staging-capacity or KVSTORE_STAGING_BYTES")
@@ -91,8 +94,37 @@ class ServeConfig:
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> "ServeConfig":
         """Defaults, then ``KVSTORE_*`` variables, then ``overrides`` (None values are ignored)."""
         env = os.environ if environ is None else environ
-        values: dict = {name: env[ENV_PREFIX + name.upper()] for name in _STRINGS if ENV_PREFIX + name.upper() in env}
-        values.update({name: read_setting(env, ENV_PREFIX + name.upper(), parse)
-                       for name, parse in _PARSED if ENV_PREFIX + name.upper() in env})
+        parsers = {**dict.fromkeys(_STRINGS, str), **_PARSED,
+                   **{name: partial(check_address, name) for name in _ADDRESS_FORMS}}
+        values = {name: read_setting(env, ENV_PREFIX + name.upper(), parse)
+                  for name, parse in parsers.items() if ENV_PREFIX + name.upper() in env}
+        for name in _ADDRESS_FORMS:  # flags: named as such
+            if overrides.get(name) is not None:
+                read_as("--" + name.replace("_", "-"), overrides[name], partial(check_address, name))
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(limits=ServiceLimits.from_env(env), **values)
+
+
+def check_address(name: str, text: str) -> str:
+    """``text`` if it is one of the forms the address setting ``name`` takes, else ``InvalidRequest``
+    listing them. A port is a number from 0 (any free one) to 65535; an IPv6 host is in brackets."""
+    forms, words, unix = _ADDRESS_FORMS[name]
+    problem = None if text in words else _address_problem(text, unix)
+    if problem is not None:
+        raise InvalidRequest(f"must be {forms}, got {text!r}: {problem}")
+    return text
+
+
+def _address_problem(text: str, unix: bool) -> str | None:
+    if text.startswith("unix:"):
+        if not unix:
+            return "a unix socket cannot serve this"
+        return None if len(text) > len("unix:") else "unix: needs a PATH"
+    host, colon, port = text.rpartition(":")
+    if not colon:
+        return "no :PORT"
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        return "an IPv6 host goes in brackets, as in [::1]:PORT"
+    if not (port.isascii() and port.isdigit()) or int(port) > MAX_PORT:
+        return f"the port must be a number from 0 to {MAX_PORT} (0: any free one), not {port!r}"
+    return None

@@ -34,3 +34,38 @@ def test_a_value_that_cannot_be_read_is_refused_naming_its_variable(key, value, 
     """Before, "cannot read '30s' as seconds" left the operator to guess which setting held it."""
     with pytest.raises(InvalidRequest, match=f"^{key}: cannot read '{value}' {reading}"):
         ServeConfig.from_env({key: value})
+
+
+@pytest.mark.parametrize("name, value, problem", [
+    ("ADDRESS", "127.0.0.1:500551", "the port must be a number from 0 to 65535 (0: any free one), not '500551'"),
+    ("ADDRESS", "127.0.0.1:abc", "the port must be a number from 0 to 65535 (0: any free one), not 'abc'"),
+    ("ADDRESS", "127.0.0.1:", "the port must be a number from 0 to 65535 (0: any free one), not ''"),
+    ("ADDRESS", "::1:50551", "an IPv6 host goes in brackets, as in [::1]:PORT"),
+    ("ADDRESS", "nonsense", "no :PORT"),
+    ("ADDRESS", "unix:", "unix: needs a PATH"),
+    ("HTTP_ADDRESS", "127.0.0.1:99999", "the port must be a number from 0 to 65535 (0: any free one), not '99999'"),
+    ("HTTP_ADDRESS", "unix:/run/kv.sock", "a unix socket cannot serve this"),
+    ("DATA_ADDRESS", "127.0.0.1:99999", "the port must be a number from 0 to 65535 (0: any free one), not '99999'"),
+    ("DATA_ADDRESS", "0.0.0.0:-1", "the port must be a number from 0 to 65535 (0: any free one), not '-1'"),
+])
+def test_an_address_whose_port_is_not_a_port_is_refused_naming_the_setting(name, value, problem):
+    """Before, port 500551 wrapped to 41799 without a word, 'abc' was blamed on a port in use, and
+    99999 on --http-address raised an OverflowError traceback."""
+    forms = {"ADDRESS": "HOST:PORT or unix:PATH", "HTTP_ADDRESS": "HOST:PORT or 'off'",
+             "DATA_ADDRESS": "HOST:PORT, 'auto' or 'off'"}[name]
+    expected = f"KVSTORE_{name}: must be {forms}, got {value!r}: {problem}"
+    with pytest.raises(InvalidRequest) as refused:
+        ServeConfig.from_env({f"KVSTORE_{name}": value})
+    assert str(refused.value) == expected
+    flag = "--" + name.lower().replace("_", "-")
+    with pytest.raises(InvalidRequest, match=f"^{flag}: must be "):
+        ServeConfig.from_env({}, **{name.lower(): value})
+
+
+@pytest.mark.parametrize("name, value", [
+    ("address", "127.0.0.1:0"), ("address", "0.0.0.0:65535"), ("address", "[::1]:50551"), ("address", "localhost:1"),
+    ("address", "unix:/run/kvstore.sock"), ("http_address", "off"), ("http_address", "[::]:50552"),
+    ("data_address", "auto"), ("data_address", "off"), ("data_address", "10.0.0.7:50553"),
+])
+def test_every_documented_address_form_is_accepted(name, value):
+    assert getattr(ServeConfig.from_env({f"KVSTORE_{name.upper()}": value}), name) == value

@@ -86,13 +86,29 @@ def test_serve_refuses_a_bad_address_with_a_message(tmp_path):
                            str(tmp_path), "--host-capacity", "1MiB", "--disk-capacity", "16MiB"],
                           capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": REPO})
     assert done.returncode == 2
-    assert "address must be HOST:PORT or unix:PATH, got 'nonsense'" in done.stderr
-    for data_address, message in (("nowhere", "data_address must be HOST:PORT, 'auto' or 'off', got 'nowhere'"),
+    assert "--address: must be HOST:PORT or unix:PATH, got 'nonsense': no :PORT" in done.stderr
+    for data_address, message in (("nowhere", "--data-address: must be HOST:PORT, 'auto' or 'off', got 'nowhere'"),
                                    ("0.0.0.0:0", "--data-address '0.0.0.0:0' is reachable from other hosts")):
         done = subprocess.run([sys.executable, "-m", "kvstore.service", "--data-address", data_address, "--data-dir",
                                str(tmp_path), "--host-capacity", "1MiB", "--disk-capacity", "16MiB"],
                               capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": REPO})
         assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("flag, forms", [("--address", "HOST:PORT or unix:PATH"),
+                                         ("--http-address", "HOST:PORT or 'off'"),
+                                         ("--data-address", "HOST:PORT, 'auto' or 'off'")])
+def test_serve_refuses_a_port_past_65535_naming_the_flag_before_it_listens(tmp_path, flag, forms):
+    """Before: --address 127.0.0.1:500551 listened on port 41799 (500551 mod 65536) without a word,
+    --http-address 127.0.0.1:99999 died of an OverflowError traceback (exit 1), and
+    --data-address 127.0.0.1:99999 was accepted."""
+    addresses = {"--address": "127.0.0.1:0", "--http-address": "off", "--data-address": "off", flag: "127.0.0.1:99999"}
+    done = subprocess.run([sys.executable, "-m", "kvstore.service", *(x for item in addresses.items() for x in item),
+                           "--data-dir", str(tmp_path), "--host-capacity", "1MiB", "--disk-capacity", "16MiB"],
+                          capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": REPO})
+    assert (done.returncode, done.stdout) == (2, ""), done.stderr
+    assert done.stderr == (f"kvstore serve: {flag}: must be {forms}, got '127.0.0.1:99999': the port must be a "
+                           "number from 0 to 65535 (0: any free one), not '99999'\n")
 
 
 def test_serve_refuses_to_send_a_token_over_plain_http_beyond_loopback(tmp_path):
