@@ -275,6 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_cmd_trace_gen)
 
     add_serve_parser(sub)
+    for command in sub.choices.values():  # -v after the subcommand too; SUPPRESS keeps a -v given before it
+        command.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                             help="log at INFO level")
     return parser
 
 

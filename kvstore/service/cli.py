@@ -1,10 +1,10 @@
 """The ``kvstore serve`` flags and their handler (also runnable as ``python -m kvstore.service``).
 
-    kvstore serve [--config FILE] [--address HOST:PORT|unix:PATH] [--http-address HOST:PORT|off]
+    kvstore serve [-v] [--config FILE] [--address HOST:PORT|unix:PATH] [--http-address HOST:PORT|off]
                   [--data-address HOST:PORT|auto|off] [--data-dir DIR]
                   [--host-capacity SIZE] [--disk-capacity SIZE] [--staging-capacity SIZE]
                   [--token-file FILE] [--tls-cert PEM --tls-key PEM] [--allow-plaintext]
-                  [--protect-metrics] [--durable-puts] [--shutdown-grace-s S]
+                  [--protect-metrics] [--durable-puts] [--shutdown-grace-s S] [--check-integrity-on-exit]
 
 Flags override ``KVSTORE_*`` variables (kvstore.config, kvstore.service.config), which override
 a ``--config`` TOML file (kvstore.service.config_file), which overrides the embedded defaults: gRPC on 127.0.0.1:50551, HTTP (metrics, dashboard) on 127.0.0.1:50552, the
@@ -55,7 +55,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="/metrics needs the bearer token too")
     parser.add_argument("--durable-puts", action="store_const", const=True,
                         help="answer a put only once it is fsynced to the disk tier")
-    parser.add_argument("--shutdown-grace-s", type=float, help="seconds in-flight calls get after SIGTERM (default 10)")
+    parser.add_argument("--shutdown-grace-s", type=float, help="seconds in-flight calls get after SIGTERM, finite and "
+                        "0 or more (default 10)")
     parser.add_argument("--check-integrity-on-exit", action="store_const", const=True,
                         help="after a graceful shutdown, check that every tier's books agree with the store's "
                         "(exit status 3 if not); for staging and load tests")

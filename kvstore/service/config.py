@@ -27,6 +27,7 @@ token, and without TLS (kvstore.service.security).
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from functools import partial
@@ -77,8 +78,9 @@ class ServeConfig:
         if self.staging_bytes < 0 or 0 < self.staging_bytes < MIN_STAGING_BYTES:
             raise InvalidRequest(f"staging capacity must be 0 (staging off) or at least {MIN_STAGING_BYTES} bytes "
                                  f"(one page), got {self.staging_bytes}; --staging-capacity or KVSTORE_STAGING_BYTES")
-        if self.shutdown_grace_s < 0:
-            raise InvalidRequest(f"shutdown_grace_s must not be negative, got {self.shutdown_grace_s}")
+        if not (math.isfinite(self.shutdown_grace_s) and self.shutdown_grace_s >= 0):
+            raise InvalidRequest(f"the shutdown grace must be finite seconds, 0 or more, got {self.shutdown_grace_s}; "
+                                 "--shutdown-grace-s or KVSTORE_SHUTDOWN_GRACE_S")
 
     def data_plane_address(self) -> str | None:
         """Where the native data plane listens: None when off; "auto" resolves to the gRPC

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -203,3 +204,35 @@ def test_a_sweep_refuses_an_unknown_policy_before_replaying(capsys, monkeypatch,
 def test_a_capacity_in_bytes_needs_a_model(capsys, trace):
     code, out, err = run_main(capsys, "replay", trace, "--capacity-tokens", "1GiB")
     assert (code, out) == (2, "") and "'1GiB' is a size in bytes: give --model" in err
+
+
+def test_serve_refuses_a_shutdown_grace_that_is_not_finite_seconds(tmp_path):
+    """Before, inf was taken (and so was nan): a SIGTERM'd sidecar would wait on its calls forever."""
+    done = kvstore("serve", "--shutdown-grace-s", "inf", "--data-dir", str(tmp_path), "--host-capacity", "4MiB",
+                   "--disk-capacity", "16MiB", "--http-address", "off", "--address", "127.0.0.1:0", timeout=60)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == ("kvstore serve: the shutdown grace must be finite seconds, 0 or more, got inf; "
+                           "--shutdown-grace-s or KVSTORE_SHUTDOWN_GRACE_S\n")
+
+
+@pytest.mark.parametrize("args, verbose", [
+    (("serve", "-v"), True), (("-v", "serve"), True), (("serve", "--verbose"), True), (("serve",), False),
+    (("fsck", "DIR", "-v"), True), (("-v", "fsck", "DIR"), True), (("fsck", "DIR"), False),
+])
+def test_verbose_is_taken_before_or_after_the_subcommand(args, verbose):
+    """Before, `kvstore serve -v` was refused ("unrecognized arguments: -v") while `kvstore -v serve` worked."""
+    from kvstore.cli import build_parser
+
+    assert build_parser().parse_args(list(args)).verbose is verbose
+
+
+def test_the_serve_usage_in_its_docstring_names_every_flag():
+    """The usage at the top of kvstore/service/cli.py had left out --check-integrity-on-exit."""
+    import argparse
+
+    import kvstore.service.cli as serve_cli
+
+    parser = argparse.ArgumentParser()
+    serve_cli.add_serve_arguments(parser)
+    usage = serve_cli.__doc__.split("\n\n")[1]
+    assert set(re.findall(r"--[a-z-]+", usage)) == set(re.findall(r"--[a-z-]+", parser.format_usage()))

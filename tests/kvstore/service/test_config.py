@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from kvstore.errors import InvalidRequest
@@ -69,3 +71,12 @@ def test_an_address_whose_port_is_not_a_port_is_refused_naming_the_setting(name,
 ])
 def test_every_documented_address_form_is_accepted(name, value):
     assert getattr(ServeConfig.from_env({f"KVSTORE_{name.upper()}": value}), name) == value
+
+
+@pytest.mark.parametrize("grace", [float("nan"), float("inf"), -1.0])
+def test_a_shutdown_grace_that_is_not_finite_seconds_is_refused(grace):
+    message = f"the shutdown grace must be finite seconds, 0 or more, got {grace}; --shutdown-grace-s or KVSTORE_"
+    with pytest.raises(InvalidRequest, match=re.escape(message)):
+        ServeConfig(shutdown_grace_s=grace)
+    with pytest.raises(InvalidRequest, match=re.escape(message)):
+        ServeConfig.from_env({"KVSTORE_SHUTDOWN_GRACE_S": str(grace)})
