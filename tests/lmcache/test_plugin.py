@@ -113,3 +113,19 @@ def test_an_engine_that_cannot_map_the_sidecars_memory_gets_the_chunks_from_the_
     assert retrieved["counts"].get("hits_data_plane", 0) == (CHUNKS if dataplane.available() else 0)
     if dataplane.available():
         assert metric(sidecar.get("metrics"), "kvstore_dataplane_sent_bytes_total") > 0
+
+
+def test_the_plugin_keeps_within_the_limits_its_environment_gives_the_sidecar(lmcache_py, tmp_path, monkeypatch):
+    """Before, the plugin kept the default limits: with KVSTORE_MAX_LOOKUP_BLOCKS=2 on the sidecar
+    and the engine, every lookup of the 4-chunk prompt was refused, so LMCache never retrieved."""
+    monkeypatch.setenv("KVSTORE_MAX_LOOKUP_BLOCKS", "2")  # for the sidecar and the engine alike
+    monkeypatch.setenv("KVSTORE_MAX_TRANSFER_BLOCKS", "2")
+    sidecar = SidecarProcess(tmp_path)
+    try:
+        result = run_engine(lmcache_py, action="store_retrieve", address=sidecar.address, seed=3,
+                            tokens=PROMPT_TOKENS)
+    finally:
+        sidecar.stop()
+    assert result["counts"]["stored"] == CHUNKS and not result["counts"].get("put_failures")
+    assert result["lookup"] == PROMPT_TOKENS
+    assert result["retrieved"] == PROMPT_TOKENS and result["exact"]
