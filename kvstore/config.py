@@ -33,6 +33,7 @@ from kvstore.policies import DEFAULT_POLICY, POLICIES
 from kvstore.store import WRITE_POLICIES, TieredStore
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.host import HostTier
+from kvstore.tiers.shm_segment import default_shm_dir
 
 ENV_PREFIX = "KVSTORE_"
 T = TypeVar("T")
@@ -75,9 +76,13 @@ class HostConfig:
     prefault: bool = True  # touch every page at start (costs ~1-3 s per GiB once, keeps puts at memcpy speed)
 
     def resolved_capacity(self) -> int:
+        """The configured capacity; auto: a quarter of the available memory, at most 64 GiB and
+        at most half the free room of the shared-memory directory (a container's /dev/shm is often
+        64 MiB; the rest of the room is left for the sidecar's staging area and other users)."""
         if self.capacity_bytes is not None:
             return self.capacity_bytes
-        return min(available_memory_bytes() // 4, 64 << 30)
+        room = shutil.disk_usage(self.shm_dir or default_shm_dir()).free
+        return max(4096, min(available_memory_bytes() // 4, 64 << 30, room // 2))
 
 
 @dataclass

@@ -66,6 +66,17 @@ def test_auto_sizes_are_positive_and_bounded(tmp_path):
     assert 0 < DiskConfig(path=str(tmp_path / "not" / "yet")).resolved_capacity() <= 1 << 40
 
 
+def test_the_auto_host_capacity_fits_in_half_the_room_of_its_shared_memory_directory(tmp_path):
+    """Before, it was a quarter of the available memory whatever the directory held: a container's
+    64 MiB /dev/shm got a multi-GiB tier, refused at start (earlier: SIGBUS at the first write past the room)."""
+    from tests.kvstore.tiers.tmpfs import mounted_tmpfs
+
+    with mounted_tmpfs(str(tmp_path / "shm"), 16 << 20) as shm:
+        capacity = HostConfig(shm_dir=shm).resolved_capacity()
+        assert 0 < capacity <= 8 << 20
+        StoreConfig(host=HostConfig(shm_dir=shm, page_bytes=1 << 20), disk=None).open_store().close()
+
+
 def test_open_store_builds_host_then_disk(tmp_path):
     cfg = StoreConfig(host=HostConfig(capacity_bytes=1 << 20, page_bytes=1 << 20, shm_dir=str(tmp_path), prefault=False),
                       disk=DiskConfig(path=str(tmp_path / "disk"), capacity_bytes=4 << 20))
