@@ -43,7 +43,7 @@ def prompts(namespace, seed: int) -> list[list[bytes]]:
 @pytest.mark.parametrize("write_policy", ["write_through", "on_eviction"])
 def test_randomized_concurrent_traffic_keeps_bytes_and_books_right(make_store, namespace, spec, write_policy):
     store = make_store(host_bytes=128 << 10, page_bytes=16 << 10, disk_bytes=48 * (16 << 10),
-                       segment_bytes=256 << 10, write_policy=write_policy, lease_ttl_s=30)
+                       segment_bytes=256 << 10, write_policy=write_policy)
     ns_id = store.register_namespace(namespace)
     chains = prompts(namespace, seed=7)
     expected = {h: p for c in chains for h, p in zip(c, payloads_for(spec, c))}
