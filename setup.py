@@ -26,7 +26,7 @@ def pkg_config(*args: str) -> list[str] | None:
 
 
 NATIVE_HEADERS = ["kvstore/service/dataplane_native/common.h", "kvstore/service/dataplane_native/streams.h",
-                  "kvstore/service/dataplane_native/wire.h"]
+                  "kvstore/service/dataplane_native/transport.h", "kvstore/service/dataplane_native/wire.h"]
 
 
 def dataplane_extension() -> list[Extension]:

@@ -10,7 +10,8 @@ gRPC server in the sidecar process, the ``kvstore.v1.BlockData`` service:
     ReadSlots (C++, data)        presents the token and a range of its slots; their bytes stream
                                  back in order, each chunk copied out of the mapped segment under
                                  the grant's lock after checking it is live; a stream that waits on
-                                 its client for stream_idle_timeout_s is ended, as Get's is
+                                 its client for stream_idle_timeout_s is ended, as Get's is, and a
+                                 connection without a stream that long is closed
     Release (Python, control)    revokes the grant (a running stream stops), then ends the lease;
                                  NOT_FOUND means the lease expired and the copies must be
                                  discarded (as for shm)
@@ -135,7 +136,8 @@ class DataPlaneServer:
     on its client for ``stream_idle_timeout_s`` (no request sent, or a message not taken: a client
     that stops reading stalls the server's write) is ended DEADLINE_EXCEEDED, within a quarter of
     that (10 ms to 1 s) after, and gives its place back; one whose write is stalled past its grant's
-    deadline is ended NOT_FOUND the same way."""
+    deadline is ended NOT_FOUND the same way. A connection with no stream for
+    ``stream_idle_timeout_s`` is closed (GOAWAY): one that opens none is never asked for the token."""
 
     def __init__(self, address: str, segment_path: str, *, tls: tuple[bytes, bytes] | None = None,
                  token: str | None = None, max_chunk_bytes: int = 1 << 20, max_streams: int = 16,
@@ -275,12 +277,17 @@ class DataPlaneClient:
 
     def _read_one(self, handle: int, grant: bytes, views: list, first_slot: int, chunk_bytes: int,
                   timeout_s: float | None) -> DataPlaneError | None:
-        """One ReadSlots call into ``views`` on ``handle``; the error, or None."""
+        """One ReadSlots call into ``views`` on ``handle``, made again once if it was UNAVAILABLE: the
+        server closes a connection idle for its stream_idle_timeout_s, and a call that crosses its
+        GOAWAY meets a closed connection (the next one opens a new connection). The error, or None."""
         pointers = (ctypes.c_void_p * len(views))(*[v.ctypes.data for v in views])
         sizes = _u64_array([v.nbytes for v in views])
         err = ctypes.create_string_buffer(_ERR_BYTES)
-        code = self._lib.kvdp_client_read(handle, grant, len(grant), first_slot, len(views), pointers,
-                                          sizes, chunk_bytes, timeout_s or 0.0, err, _ERR_BYTES)
+        for _ in range(2):
+            code = self._lib.kvdp_client_read(handle, grant, len(grant), first_slot, len(views), pointers,
+                                              sizes, chunk_bytes, timeout_s or 0.0, err, _ERR_BYTES)
+            if code != _UNAVAILABLE:
+                break
         return DataPlaneError(code, f"ReadSlots from {self.target}: {err.value.decode()}") if code else None
 
     def close(self) -> None:

@@ -34,6 +34,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvstore.config import StoreConfig
 from kvstore.errors import InvalidRequest
+from kvstore.open_files import raise_open_files_limit
 from kvstore.service import dataplane, security
 from kvstore.service.heap import keep_heap_for_transfers
 from kvstore.service.config import HTTP_OFF, ServeConfig
@@ -129,6 +130,9 @@ async def serve(config: ServeConfig, store_config: StoreConfig, ready: Callable[
     """Serve one store until SIGTERM or SIGINT; ``ready`` gets the bound gRPC address once
     listening, ``http_ready`` the dashboard's URL (not called when HTTP is off)."""
     keep_heap_for_transfers()
+    # Every connection holds a descriptor, and gRPC 1.51's data plane never accepts again once
+    # one accept fails for want of one (dataplane_native/transport.h): not only for a disk tier.
+    raise_open_files_limit("every connection to the sidecar's ports holds one descriptor")
     token = security.load_token(config.token, config.token_file)
     tls = security.read_tls(config.tls_cert, config.tls_key)
     security.check_exposure("--address", config.address, token, tls is not None, config.allow_plaintext)

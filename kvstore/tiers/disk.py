@@ -48,13 +48,14 @@ from rocksdict import Rdict, WriteOptions
 
 from kvstore.checksum import layers_match
 from kvstore.errors import InvalidRequest, StoreClosed
+from kvstore.open_files import raise_open_files_limit
 from kvstore.tiers.base import KEY_BYTES, BlockMeta, Tier, TierStats
 from kvstore.tiers.direct_io import (
     pwritev_all, read_direct, read_record_direct, write_record_direct,
 )
 from kvstore.tiers.disk_files import (
     BLOCK_KEY_PREFIX, TAIL_KEY, TAIL_VALUE, DirectoryLock, IndexEntry, SegmentFile, fsync_directory, open_index,
-    raise_open_files_limit, segment_name, supports_direct, truncate_quietly,
+    segment_name, supports_direct, truncate_quietly,
 )
 from kvstore.tiers.disk_recovery import DiskRecovery
 from kvstore.tiers.read_ahead import ReadAhead, Record, ThreadRuns
@@ -108,7 +109,7 @@ class DiskTier(DiskRecovery, Tier):
         self._unindexed: set[bytes] = set()  # removed blocks whose index delete is still to be committed
         os.makedirs(self.path, exist_ok=True)
         self._dir_lock = DirectoryLock(self.path)  # first: another process's directory is never touched
-        raise_open_files_limit()  # one descriptor per segment file
+        raise_open_files_limit("a disk tier holds one descriptor per segment file")
         try:
             self._open(direct_io)
         except BaseException:

@@ -12,7 +12,6 @@ import fcntl
 import logging
 import os
 import re
-import resource
 import shutil
 import struct
 import time
@@ -69,7 +68,7 @@ class SegmentFile:
     One descriptor serves reads, appends, size, holes and fdatasync alike (O_DIRECT constrains
     data transfers only; fstat, fallocate, ftruncate, fdatasync and fadvise take any descriptor),
     so a tier holds one per segment plus RocksDB's few: 1 TiB in 256 MiB segments is 4,096, and
-    the tier raises its soft open-files limit to the hard one (``raise_open_files_limit``). Each
+    the tier raises its soft open-files limit to the hard one (``kvstore.open_files``). Each
     sealed segment used to hold two (three for the active one). Opening sealed segments lazily
     through a bounded cache would hold fewer, but every read and read-ahead would then have to
     pin its descriptor so that closing it for another file could not make a read land in the
@@ -90,22 +89,6 @@ class SegmentFile:
         fd, self.fd = getattr(self, "fd", None), None
         if fd is not None:
             os.close(fd)
-
-
-def raise_open_files_limit() -> None:
-    """Raise this process's soft RLIMIT_NOFILE to its hard limit (a disk tier holds one descriptor
-    per segment file; systemd's default soft limit is 1,024). Logged when it changes; a limit
-    that cannot be raised is left as it is."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    target = hard if hard != resource.RLIM_INFINITY else 1 << 20  # Linux's default fs.nr_open
-    if soft != resource.RLIM_INFINITY and soft < target:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-        except (ValueError, OSError) as exc:
-            log.warning("could not raise the open-files limit from %d to %d (%s)", soft, target, exc)
-            return
-        log.info("raised the open-files limit (RLIMIT_NOFILE) from %d to %d: a disk tier holds one "
-                 "descriptor per segment file", soft, target)
 
 
 LOCK_NAME = "tier.lock"

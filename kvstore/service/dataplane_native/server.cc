@@ -30,7 +30,8 @@
 // a gRPC status code and write a message into the caller's error buffer.
 //
 // This file: the server (grants, the ReadSlots reactor) and its C ABI; streams.h bounds the
-// streams (how many, how long), client.cc is the client, wire.h the messages.
+// streams (how many, how long), transport.h the connections, client.cc is the client, wire.h the
+// messages.
 
 #include <grpc/grpc.h>
 #include <grpcpp/generic/async_generic_service.h>
@@ -58,6 +59,7 @@
 
 #include "common.h"
 #include "streams.h"
+#include "transport.h"
 #include "wire.h"
 
 namespace kvdp {
@@ -392,8 +394,8 @@ int kvdp_abi_version() { return 5; }
 // mapped read-only. cert_pem/key_pem: TLS (both or neither); bearer: required token, or NULL.
 // max_streams, max_streams_per_client: concurrent ReadSlots calls past which one is refused.
 // stream_idle_timeout_s: how long a stream may wait on its client (for its request, or for a
-// write to be taken) before it is ended DEADLINE_EXCEEDED. Returns a handle and the bound port,
-// or NULL with a message.
+// write to be taken) before it is ended DEADLINE_EXCEEDED, and a connection may go without a
+// stream before it is closed. Returns a handle and the bound port, or NULL with a message.
 void* kvdp_server_start(const char* address, const char* segment_path, const char* cert_pem, const char* key_pem,
                         const char* bearer, uint32_t max_chunk_bytes, uint32_t max_streams,
                         uint32_t max_streams_per_client, double stream_idle_timeout_s, int* port, char* err,
@@ -434,11 +436,7 @@ void* kvdp_server_start(const char* address, const char* segment_path, const cha
                                      max_chunk_bytes, max_streams, max_streams_per_client, stream_idle_timeout_s);
   grpc::ServerBuilder builder;
   builder.AddListeningPort(address, server_credentials(cert_pem, key_pem), port);
-  builder.SetMaxReceiveMessageSize(64 << 10);  // requests are a token and a number
-  builder.AddChannelArgument("grpc.http2.lookahead_bytes", kLookaheadBytes);
-  builder.AddChannelArgument("grpc.so_reuseport", 0);  // a port in use is an error, not a shared port
-  builder.AddChannelArgument("grpc.keepalive_time_ms", 60000);  // dead peers; live ones that stall: Reaper
-  builder.AddChannelArgument("grpc.keepalive_timeout_ms", 20000);
+  bound_transport(&builder, stream_idle_timeout_s);
   builder.RegisterCallbackGenericService(server);
   server->server = builder.BuildAndStart();
   if (server->server == nullptr || *port == 0) {
