@@ -1,5 +1,6 @@
-// What bounds the data plane's connections (see server.cc): the settings of the gRPC server under
-// its one service. streams.h bounds the streams on them. Knows nothing of grants or of the bytes.
+// What bounds the data plane's connections and the requests on them (see server.cc): the settings
+// of the gRPC server under its one service. streams.h bounds the streams on them. Knows nothing of
+// grants or of the bytes.
 //
 // A connection that opens no stream makes no call, so no token is ever checked on it, and gRPC
 // 1.51 neither caps connections nor reaps one that only answers pings. Each holds a descriptor
@@ -25,6 +26,10 @@ namespace kvdp {
 
 inline void bound_transport(grpc::ServerBuilder* builder, double idle_timeout_s) {
   builder->SetMaxReceiveMessageSize(64 << 10);  // requests are a token and three numbers
+  // gRPC inflates a compressed message before it checks that size: a 64 KB gzip request would
+  // become a 63 MiB buffer. A compressed request is UNIMPLEMENTED ("... is disabled").
+  for (int algorithm = GRPC_COMPRESS_NONE + 1; algorithm < GRPC_COMPRESS_ALGORITHMS_COUNT; ++algorithm)
+    builder->SetCompressionAlgorithmSupportStatus(static_cast<grpc_compression_algorithm>(algorithm), false);
   builder->AddChannelArgument("grpc.http2.lookahead_bytes", kLookaheadBytes);
   builder->AddChannelArgument("grpc.so_reuseport", 0);  // a port in use is an error, not a shared port
   builder->AddChannelArgument("grpc.keepalive_time_ms", 60000);  // dead peers; live ones that stall: Reaper

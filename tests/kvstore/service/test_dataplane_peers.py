@@ -1,6 +1,6 @@
-"""What a peer of the data port that makes no proper call can hold: a real C++ data plane on port 0
-(in a child process where its open-files limit matters), raw HTTP/2 connections that open no
-stream (so no token is ever checked).
+"""What a peer of the data port can make the sidecar hold: a real C++ data plane on port 0 (in a
+child process where its open-files limit matters), raw HTTP/2 connections that open no stream
+(so no token is ever checked), and compressed requests that would be inflated.
 
 gRPC 1.51 (Debian's, which the data plane links) stops accepting for good once an accept fails
 for want of descriptors (grpc/grpc#20418), so connections nobody closes would kill the data
@@ -30,6 +30,7 @@ from kvstore.service.v1.kvstore_pb2_grpc import BlockDataServicer, add_BlockData
 pytestmark = pytest.mark.skipif(not dataplane.available(),
                                 reason="the native data plane was not built (make installs g++ and libgrpc++-dev)")
 
+METHOD = "/kvstore.v1.BlockData/ReadSlots"
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 SETTINGS, PING, GOAWAY = 4, 6, 7  # HTTP/2 frame types
@@ -216,6 +217,24 @@ def test_the_longest_idle_timeout_starts_a_data_plane(segment):
         assert np.array_equal(dst, segment[1][:100])
     finally:
         client.close()
+        server.stop(0)
+
+
+@pytest.mark.parametrize("compression, name", [(grpc.Compression.Gzip, "gzip"), (grpc.Compression.Deflate, "deflate")])
+def test_a_compressed_request_is_refused_before_it_is_inflated(segment, compression, name):
+    """gRPC inflates a compressed message before it checks the 64 KiB receive limit: a 64 KB
+    gzip request would become a 63 MiB buffer. Requests are a token and three numbers."""
+    server = DataPlaneServer("127.0.0.1:0", segment[0])
+    try:
+        request = pb.ReadSlotsRequest(grant=server.grant(1, [(0, 100)], ttl_s=30)).SerializeToString()
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            read = channel.unary_stream(METHOD, response_deserializer=pb.SlotBytes.FromString)
+            with pytest.raises(grpc.RpcError) as info:
+                list(read(request, compression=compression, timeout=10))
+        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert info.value.details() == f"Compression algorithm '{name}' is disabled."
+        assert server.counters().bytes_sent == 0
+    finally:
         server.stop(0)
 
 
