@@ -6,7 +6,8 @@ caller can tell which one to split around or raise. Defaults, and what they boun
     max_lookup_blocks         16384   block hashes per Lookup (1M tokens of 64-token blocks, ~300 KB)
     max_transfer_blocks       32      blocks per Get or Put: the server holds them in memory at once
                                       (32 x 4.29 MiB V3 blocks = 137 MiB per stream)
-    max_chunk_bytes           1 MiB   payload bytes per chunk message, both directions
+    max_chunk_bytes           1 MiB   payload bytes per chunk message, both directions; a Get or
+                                      ReadSlots asking for less than 64 KiB (or this, if less) gets that
     max_concurrent_transfers  16      Get and Put streams running at once; more are refused, not queued
     max_message_bytes         4 MiB   any one message, enforced by gRPC itself (its own message)
     max_streams_per_client    8       Get and Put streams one client runs at once
@@ -37,6 +38,7 @@ from kvstore.config import ENV_PREFIX, parse_seconds, parse_size, read_setting
 from kvstore.errors import InvalidRequest, KVStoreError, NotPermitted, UnknownLease
 
 MESSAGE_OVERHEAD_BYTES = 1 << 10  # room for a chunk's index, offset and framing
+MIN_CHUNK_BYTES = 64 << 10  # a Get asking for smaller chunks gets these (dataplane_native: kMinChunkBytes)
 
 
 class LimitExceeded(KVStoreError):
@@ -96,8 +98,11 @@ class ServiceLimits:
                 ("grpc.max_send_message_length", self.max_message_bytes)]
 
     def chunk_bytes(self, requested: int) -> int:
-        """The chunk size a Get uses: what the caller asked (0: the maximum), capped at the maximum."""
-        return min(requested or self.max_chunk_bytes, self.max_chunk_bytes)
+        """The chunk size a Get uses: what the caller asked (0: the maximum), within
+        [min(MIN_CHUNK_BYTES, max_chunk_bytes), max_chunk_bytes]. Every message costs the server a
+        round through the event loop, so a tiny size is raised instead of sending a byte a message."""
+        floor = min(MIN_CHUNK_BYTES, self.max_chunk_bytes)
+        return max(min(requested or self.max_chunk_bytes, self.max_chunk_bytes), floor)
 
 
 class TransferSlots:

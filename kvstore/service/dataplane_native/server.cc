@@ -238,7 +238,7 @@ class DataPlaneServer : public grpc::CallbackGenericService {
   }
 
   const uint8_t* base() const { return base_; }
-  uint32_t chunk_bytes(uint32_t asked) const { return asked == 0 ? max_chunk_bytes_ : std::min(asked, max_chunk_bytes_); }
+  uint32_t chunk_bytes(uint32_t asked) const { return chunk_size(asked, max_chunk_bytes_); }
 
   Counters counters;
   StreamLimits streams;
