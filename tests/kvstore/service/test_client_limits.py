@@ -136,7 +136,7 @@ def test_a_get_whose_client_stops_reading_fails_deadline_exceeded_and_ends_its_l
         stub = KVStoreStub(channel)
         lease_id = stub.Lookup(pb.LookupRequest(namespace_id=ns_id, block_hashes=hashes, lease_ttl_s=60)).lease_id
         stream = stub.Get(pb.GetRequest(namespace_id=ns_id, block_hashes=hashes, lease_id=lease_id, chunk_bytes=1024,
-                                        stream_as_loaded=True))  # 32 blocks in 288 chunks: ~300 KB
+                                        stream_as_loaded=True))  # 32 blocks, one chunk each (1024 is raised to the floor): ~300 KB
         next(stream)
         assert not loads_now(server.target, ns_id, hashes, spec), "the stalled Get holds the only slot"
         deadline = time.monotonic() + 10
