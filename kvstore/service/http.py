@@ -2,7 +2,8 @@
 
     GET /metrics      Prometheus text format of ``ServiceMetrics.registry`` (open unless
                       ``protect_metrics``; Prometheus scrapers then send the bearer token)
-    GET /healthz      200 "ok" while serving, 503 while shutting down (never protected)
+    GET /healthz      200 "ok" while serving, 503 while shutting down (never protected; HEAD
+                      too, as on /metrics, for probes that use it)
     GET /, /static/*  the dashboard's page and its assets (kvstore.service.dashboard)
     GET /api/*        the dashboard's JSON API
     GET /openapi.json the API's schema (no Swagger UI or ReDoc: they load from a CDN)
@@ -14,9 +15,10 @@ browser cannot add the header to ``<script>`` and ``<link>`` loads: the page rea
 ``?token=`` once, drops it from the address bar and sends it as that header. No response lets the
 browser send its URL on as a Referer. Nothing here can change the store: every route is a GET.
 
-Without a token, on a loopback address (``local_only``), a request must name a loopback host in
-its ``Host`` header, else 421: a web page whose own name an attacker re-points at 127.0.0.1 (DNS
-rebinding) could otherwise read the dashboard's data from the operator's browser.
+On a loopback address (``local_only``), a request must name a loopback host in its ``Host``
+header, else 421: a web page whose own name an attacker re-points at 127.0.0.1 (DNS rebinding)
+could otherwise read the dashboard's data, or ``/metrics``, from the operator's browser. A token
+does not lift the check: the open ``/metrics`` would be readable that way.
 
 ``HttpServer`` runs uvicorn inside the sidecar's event loop (no second process or thread pool).
 """
@@ -43,11 +45,11 @@ log = logging.getLogger(__name__)
 def create_http_app(metrics: ServiceMetrics, token: str | None = None, protect_metrics: bool = False,
                     dashboard=None, serving=lambda: True, local_only: bool = False) -> FastAPI:
     """The FastAPI app; ``dashboard`` is a ``Dashboard`` (its router is mounted at ``/``) or None.
-    ``local_only``: served on loopback alone, so without a token a ``Host`` must be loopback too."""
+    ``local_only``: served on loopback alone, so a ``Host`` must be loopback too."""
     app = FastAPI(title="kvstore sidecar", description="Metrics and hit-rate dashboard of one KV-cache store",
                   version="1", openapi_url=None, docs_url=None, redoc_url=None)  # the schema: below, guarded
     app.middleware("http")(_no_referrer)
-    if local_only and not token:
+    if local_only:
         app.middleware("http")(_loopback_host)
     auth = [Depends(_bearer(token))] if token else []
 
@@ -55,11 +57,13 @@ def create_http_app(metrics: ServiceMetrics, token: str | None = None, protect_m
     def openapi_schema() -> JSONResponse:
         return JSONResponse(app.openapi())
 
-    @app.get("/metrics", dependencies=auth if protect_metrics else [], include_in_schema=False)
+    @app.api_route("/metrics", methods=["GET", "HEAD"], dependencies=auth if protect_metrics else [],
+                   include_in_schema=False)
     def prometheus_metrics() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/healthz", response_class=PlainTextResponse, summary="200 while the sidecar serves")
+    @app.api_route("/healthz", methods=["GET", "HEAD"], response_class=PlainTextResponse,
+                   summary="200 while the sidecar serves")
     def healthz() -> PlainTextResponse:
         if serving():
             return PlainTextResponse("ok")

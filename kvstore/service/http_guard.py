@@ -9,6 +9,11 @@ failed and new clients timed out. So:
 - a connection must complete a request's headers within ``REQUEST_DEADLINE_S`` of connecting,
   and each next one within that long of the previous response (sending bytes does not extend
   it); past it, the connection is closed;
+- a client that stops reading its responses is cut off: while a response is being written, the
+  connection is checked every ``REQUEST_DEADLINE_S``, and dropped at once (``abort``: a polite
+  close would wait for the unread bytes to drain) when its writes are paused, that is when
+  megabytes sent already sit unread in the socket's buffers. Such clients (pipelining requests
+  and never reading) otherwise held a connection for ever, and 256 of them shut the port;
 - beyond ``MAX_CONNECTIONS`` open at once, a new connection is closed as soon as it is made.
 """
 
@@ -49,7 +54,14 @@ class GuardedH11Protocol(H11Protocol):
         self._request_deadline = self.loop.call_later(REQUEST_DEADLINE_S, self._close_if_idle, self.cycle)
 
     def _close_if_idle(self, cycle_then) -> None:
-        """Close unless a request began since (or, pipelined, began at once and is still answered)."""
-        answering = self.cycle is not None and not self.cycle.response_complete
-        if self.cycle is cycle_then and not answering and not self.transport.is_closing():
+        """Close unless a request began since; while one is answered, drop the connection if the
+        client is not reading it, else look again later (a slow handler is not the client's fault)."""
+        if self.transport.is_closing():
+            return
+        if self.cycle is not None and not self.cycle.response_complete:
+            if self.flow.write_paused:
+                self.transport.abort()
+            else:
+                self._request_deadline = self.loop.call_later(REQUEST_DEADLINE_S, self._close_if_idle, self.cycle)
+        elif self.cycle is cycle_then:
             self.transport.close()

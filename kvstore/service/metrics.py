@@ -119,6 +119,7 @@ class ServiceMetrics:
         self.put_bytes = Counter("kvstore_put_bytes", "Payload bytes received by Put calls", registry=r)
         self.errors = Counter("kvstore_grpc_errors", "Calls that ended with a gRPC error status",
                               ["method", "code"], registry=r)
+        self.calls = Counter("kvstore_grpc_calls", "Calls received, failed ones included", ["method"], registry=r)
         self.lookup_seconds = Histogram("kvstore_lookup_duration_seconds", "Lookup call latency",
                                         buckets=LATENCY_BUCKETS_S, registry=r)
         self.load_seconds = Histogram("kvstore_load_duration_seconds", "Get and GetSlots call latency",
@@ -192,6 +193,10 @@ class ServiceMetrics:
 
     def error(self, method: str, code_name: str) -> None:
         self.errors.labels(method, code_name).inc()
+
+    def call(self, method: str) -> None:
+        """A call of ``method`` came, whatever its outcome (the error ratio's denominator)."""
+        self.calls.labels(method).inc()
 
     def recent_lookups(self, since_s: float = 0.0) -> list[LookupRecord]:
         with self._lock:
@@ -304,7 +309,7 @@ METRIC_NAMES = (  # every sample family /metrics exports (counters with their _t
     "kvstore_lookups_total", "kvstore_lookup_tokens_total", "kvstore_hit_tokens_total",
     "kvstore_loaded_tokens_total", "kvstore_loaded_bytes_total", "kvstore_prefill_tokens_saved_total",
     "kvstore_prefill_tokens_computed_total", "kvstore_put_blocks_total", "kvstore_put_bytes_total",
-    "kvstore_grpc_errors_total", "kvstore_lookup_duration_seconds", "kvstore_load_duration_seconds",
+    "kvstore_grpc_errors_total", "kvstore_grpc_calls_total", "kvstore_lookup_duration_seconds", "kvstore_load_duration_seconds",
     "kvstore_put_duration_seconds",
     *(name + "_total" for name, _, _ in StoreCollector.COUNTERS),
     *(name for name, _, _ in StoreCollector.GAUGES),

@@ -87,8 +87,12 @@ def server_credentials(tls: tuple[bytes, bytes]) -> grpc.ServerCredentials:
 
 
 def token_matches(presented: str | None, token: str) -> bool:
-    """Constant-time comparison of an ``Authorization`` header value with ``Bearer TOKEN``."""
-    return presented is not None and hmac.compare_digest(presented.encode(), f"Bearer {token}".encode())
+    """Constant-time comparison of an ``Authorization`` header value with ``Bearer TOKEN``; the
+    scheme's case does not matter (RFC 9110: ``bearer TOKEN`` is the same)."""
+    if presented is None:
+        return False
+    scheme, _, credentials = presented.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(credentials.encode(), token.encode())
 
 
 class BearerAuthInterceptor(grpc.aio.ServerInterceptor):

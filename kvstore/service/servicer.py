@@ -102,13 +102,23 @@ def status_code(exc: KVStoreError) -> grpc.StatusCode:
 
 def translate_errors(method):
     """Abort the call with the status code of a ``KVStoreError``; for coroutine handlers (streams
-    write through ``context.write``)."""
+    write through ``context.write``).
+
+    Every call counts in ``kvstore_grpc_calls_total`` as it starts and every failed one in
+    ``kvstore_grpc_errors_total``: an unexpected exception as ``UNKNOWN``, the status gRPC gives it.
+    A call the client cancelled is not an error."""
     @functools.wraps(method)
     async def translated(self, request, context):
+        self.metrics.call(method.__name__)  # before any answer: a client that saw one finds it counted
         try:
             return await method(self, request, context)
         except KVStoreError as exc:
             await self._abort(context, method.__name__, exc)
+        except (asyncio.CancelledError, grpc.aio.AbortError):  # aborted: counted by ``_abort``
+            raise
+        except Exception:
+            self.metrics.error(method.__name__, grpc.StatusCode.UNKNOWN.name)
+            raise
     return translated
 
 

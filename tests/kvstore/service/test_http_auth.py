@@ -39,6 +39,14 @@ def test_with_a_token_the_data_needs_the_header_and_the_page_code_does_not(store
         assert client.get(path).status_code == 200, path
 
 
+@pytest.mark.parametrize("header, status", [
+    (f"bearer {TOKEN}", 200), (f"BEARER {TOKEN}", 200), (f"Basic {TOKEN}", 401), (f"Bearer{TOKEN}", 401),
+    (f"Bearer {TOKEN}x", 401), ("Bearer", 401), ("", 401),
+])
+def test_the_bearer_scheme_is_case_insensitive_and_nothing_else_is_loose(store, header, status):
+    assert http_client(store, TOKEN).get("/api/summary", headers={"Authorization": header}).status_code == status
+
+
 def test_the_token_is_taken_from_the_header_only(store):
     """A token in a URL ends up in history, logs and Referers: no route accepts it there."""
     client = http_client(store, TOKEN)
@@ -83,3 +91,12 @@ def test_without_a_token_on_loopback_only_a_loopback_host_is_answered(store, hos
                                      local_only=True))
     for path in ("/api/summary", "/metrics", "/openapi.json"):
         assert app.get(path, headers={"host": host}).status_code == status, path
+
+
+@pytest.mark.parametrize("host, status", [("localhost:50552", 200), ("attacker.example:50552", 421)])
+def test_with_a_token_on_loopback_the_open_metrics_still_need_a_loopback_host(store, host, status):
+    """A token guards the API, not the open ``/metrics``: the Host check must stay on with one."""
+    app = TestClient(create_http_app(ServiceMetrics(store), token=TOKEN, local_only=True))
+    assert app.get("/metrics", headers={"host": host}).status_code == status
+    bearer = {"host": host, "authorization": f"Bearer {TOKEN}"}
+    assert app.get("/openapi.json", headers=bearer).status_code == status

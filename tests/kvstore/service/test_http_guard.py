@@ -8,17 +8,19 @@ import threading
 import time
 
 import pytest
-from fastapi import FastAPI
+from fastapi import FastAPI, Response
 
 from kvstore.service import http_guard
 from kvstore.service.http import HttpServer
 
 DEADLINE_S = 0.5
+BIG_BYTES = 1 << 20
 
 
 @pytest.fixture
-def served(monkeypatch):
-    """A real ``HttpServer`` on a free port, answering ``GET /``; its (host, port)."""
+def server(monkeypatch):
+    """A real ``HttpServer`` on a free port, answering ``GET /``, ``/slow`` and ``/big``; the
+    server and its (host, port)."""
     monkeypatch.setattr(http_guard, "REQUEST_DEADLINE_S", DEADLINE_S)
     monkeypatch.setattr(http_guard, "MAX_CONNECTIONS", 4)
     app = FastAPI()
@@ -28,15 +30,22 @@ def served(monkeypatch):
     async def slow():  # answered after the deadline: a slow scrape, a large page
         await asyncio.sleep(3 * DEADLINE_S)
         return {"ok": "slow"}
+    app.get("/big")(lambda: Response(b"x" * BIG_BYTES))
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     server = HttpServer(app, "127.0.0.1:0")
     url = asyncio.run_coroutine_threadsafe(server.start(), loop).result(10)
-    yield url.removeprefix("http://").rstrip("/").split(":")
+    yield server, url.removeprefix("http://").rstrip("/").split(":")
     asyncio.run_coroutine_threadsafe(server.stop(), loop).result(10)
     loop.call_soon_threadsafe(loop.stop)
     thread.join(10)
+
+
+@pytest.fixture
+def served(server):
+    """The (host, port) of ``server``."""
+    return server[1]
 
 
 def connect(address) -> socket.socket:
@@ -137,3 +146,20 @@ def test_connections_beyond_the_cap_are_closed_at_once_and_served_again_once_oth
     time.sleep(0.2)
     with connect(served) as client:
         assert answered(client).startswith(b"HTTP/1.1 200")
+
+
+def test_a_client_that_stops_reading_its_responses_is_dropped(server):
+    """Pipelined requests for large responses, never read: the server's writes pause once the
+    socket buffers are full, and the connection is dropped at the next deadline instead of being
+    held (and counted against the cap) for ever."""
+    http, address = server
+    connections = http._server.server_state.connections
+    reader = socket.socket()
+    reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    with reader:
+        reader.connect((address[0], int(address[1])))
+        reader.sendall(b"GET /big HTTP/1.1\r\nHost: localhost\r\n\r\n" * 40)
+        end = time.monotonic() + DEADLINE_S + 5
+        while connections and time.monotonic() < end:
+            time.sleep(0.05)
+        assert not connections, "a connection whose client reads nothing is still held"

@@ -52,6 +52,9 @@ def test_metrics_count_the_traffic_of_a_real_server(server, client, namespace, s
     assert got[("kvstore_prefill_tokens_saved_total", (label,))] == 12
     assert got[("kvstore_prefill_tokens_computed_total", (label,))] == 8
     assert got[("kvstore_grpc_errors_total", (("code", "NOT_FOUND"), ("method", "Lookup")))] == 1
+    calls = {dict(labels)["method"]: value for (name, labels), value in got.items() if name == "kvstore_grpc_calls_total"}
+    assert calls == {"RegisterNamespace": 1, "Put": 2, "Lookup": 2, "Get": 1, "GetSlots": 1, "Release": 1,
+                     "ReportPrefill": 1}  # the failed Lookup too: the error ratio's denominator
     assert got[("kvstore_lookup_duration_seconds_count", ())] == 1
     assert got[("kvstore_load_duration_seconds_count", (("path", "shm"),))] == 1
 
@@ -174,6 +177,18 @@ def test_a_namespace_label_keeps_64_plain_characters_of_a_client_chosen_model_na
     assert asked == [b"\xaa" * 16], "the model is looked up once, when the label is made"
 
 
+def test_a_call_that_raises_unexpectedly_counts_as_an_unknown_error(server, client, store, monkeypatch):
+    def broken():
+        raise RuntimeError("a bug")
+    with monkeypatch.context() as patch, pytest.raises(grpc.RpcError) as failed:
+        patch.setattr(store, "stats", broken)
+        client.stats()
+    assert failed.value.code() == grpc.StatusCode.UNKNOWN
+    got = scrape(server.metrics.registry)
+    assert got[("kvstore_grpc_errors_total", (("code", "UNKNOWN"), ("method", "Stats")))] == 1
+    assert got[("kvstore_grpc_calls_total", (("method", "Stats"),))] == 1
+
+
 def test_http_app_serves_metrics_and_healthz_and_protects_what_it_must(store):
     metrics = ServiceMetrics(store)
     serving = [True]
@@ -181,8 +196,10 @@ def test_http_app_serves_metrics_and_healthz_and_protects_what_it_must(store):
     assert open_app.get("/metrics").status_code == 200
     assert "kvstore_tier_capacity_bytes" in open_app.get("/metrics").text
     assert open_app.get("/healthz").text == "ok"
+    assert open_app.head("/healthz").status_code == 200 and open_app.head("/metrics").status_code == 200  # probes
     serving[0] = False
     assert open_app.get("/healthz").status_code == 503
+    assert open_app.head("/healthz").status_code == 503
 
     protected = TestClient(create_http_app(metrics, token="t0k", protect_metrics=True))
     refused = protected.get("/metrics")
