@@ -42,7 +42,8 @@ class PluginConfig:
     token: str | None = None  # bearer token; None: token_file, else KVSTORE_TOKEN / KVSTORE_TOKEN_FILE
     token_file: str | None = None  # file whose first line is the token
     tls_root_certs: str | None = None  # PEM file of the roots that sign the sidecar's certificate: TLS
-    timeout_s: float = 10.0  # bound on every sidecar call; past it the call is a miss
+    timeout_s: float = 10.0  # bound on every sidecar call; past it the call is a miss (a Get from disk
+    # past it while the sidecar answers: gets and lookups stop at host memory for a back-off window)
     lookup_timeout_s: float = 1.0  # bound on a lookup (contains, list): LMCache's scheduler waits on it
     lease_ttl_s: float = 30.0  # how long a get pins the blocks it copies from shared memory
     shared_memory: bool = True  # same host: copy from the sidecar's mapped memory (falls back by itself;

@@ -7,19 +7,35 @@ LMCache call maps onto the sidecar (``KVStoreClient``):
 
     exists, exists_sync,          one Lookup of the keys' hashes; its contiguous hit is the count
     batched_contains,             of leading keys present, which is LMCache's prefix semantics
-    batched_async_contains        (``pin`` is not needed: a get leases what it copies)
+    batched_async_contains        (``pin`` is not needed: a get leases what it copies); only those
+                                  in host memory while reads below memory are backed off
     get, batched_get,             GetSlots leases the leading present blocks and locates those in
     batched_get_non_blocking      the host tier's shared memory: each is copied from the mapping
                                   straight into a MemoryObj that LMCache allocates (one copy), or
                                   on another host streamed by the sidecar's native data plane
                                   into a scratch block; the rest (disk, or no data plane) come
-                                  through Get into a scratch block
+                                  through Get into a scratch block (not those below memory while
+                                  reads there are backed off)
     put, batched_put              each object framed into a scratch block, then put_shm (staging
                                   slots in shared memory, verified by the sidecar; Put where that
                                   cannot be used)
     ping                          RegisterNamespace (idempotent; re-registers after a restart)
     list                          the keys this connector stored or served that the sidecar still
                                   holds (it indexes hashes, so it cannot name other processes' keys)
+
+A sidecar that answers but whose disk hangs costs one get a deadline (``timeout_s``, the bound on
+each of its calls, Get included; lower it to make a hung disk cost less): a Get of a block below
+memory that runs past it while the sidecar still answers a lookup (within ``lookup_timeout_s``)
+opens a back-off window on reads below memory (``connectors.lower_tiers``, as for the engine
+connectors: 5 s or twice ``timeout_s``, doubling per failed probe up to 5 min or 20 ``timeout_s``,
+the longer of each). Meanwhile lookups count only the leading keys held in the host tier and gets
+stop at the first block below memory, so LMCache loads what memory holds and recomputes the rest at
+once; the sidecar is not backed off as a whole, so host-memory hits are still served. After the
+window, the first lookup that reaches a block below memory counts it, and so do the lookups after
+it (LMCache looks a prompt up again before it gets it) until a get reads below memory, at most
+``PROBE_HANDOVER_S``: that get is the probe; an answer in time closes the window, another overrun
+doubles it. A sidecar that does not answer the lookup either is backed off whole, as for any call it
+does not answer (``SidecarSession``). ``list`` reports keys in any tier: it plans no get.
 
 Every object is verified after it is copied into LMCache's memory (its key digest, size and
 checksum), and its stored description before (``chunk_meta``: the shapes, dtypes and format this
@@ -42,8 +58,9 @@ import asyncio
 import collections
 import logging
 import threading
+import time
 from functools import partial
-from typing import List
+from typing import List, Sequence
 
 import grpc
 import numpy as np
@@ -57,15 +74,30 @@ from connectors.lmcache.config import PluginConfig
 from connectors.lmcache.framing import CorruptObject, key_digest
 from connectors.lmcache.namespace import lmcache_namespace
 from connectors.lmcache.workers import Call, Workers
-from connectors.sidecar_session import SidecarSession
+from connectors.lower_tiers import LowerTiers
+from connectors.sidecar_session import SidecarSession, not_answering
 from kvstore.buffers import byte_view
 from kvstore.layout import BlockSpec
+from kvstore.results import LookupResult
 from kvstore.service.client import KVStoreClient
 from kvstore.service.limits import ServiceLimits
+from kvstore.tiers.host import HostTier
 
 log = logging.getLogger(__name__)
 KNOWN_KEYS = 65536  # key strings remembered for list(): about 10 MB
 PING_CLOSED = grpc.StatusCode.CANCELLED.value[0]  # ping's answer once the connector is closed
+BELOW_MEMORY = "below memory"  # the tier of a hit block past a grant's host-tier slots (the grant names none)
+PROBE_HANDOVER_S = 5.0  # how long the probe a lookup was granted waits for a get to make it
+
+
+class _PastDeadline(Exception):
+    """A Get of a block below memory ran past its deadline (``error``: its ``DEADLINE_EXCEEDED``).
+    Raised inside ``SidecarSession.call`` so that the session does not take it for a sidecar that
+    stopped answering before the connector has asked the sidecar itself."""
+
+    def __init__(self, error: grpc.RpcError):
+        super().__init__("a read below memory ran past its deadline")
+        self.error = error
 
 
 class KVStoreConnector(RemoteConnector):
@@ -85,6 +117,11 @@ class KVStoreConnector(RemoteConnector):
                                     token=settings.bearer_token(), root_certificates=settings.root_certificates(),
                                     shared_memory=settings.shared_memory)
         self.session = SidecarSession(self.client, self.namespace, settings.address, meanwhile="LMCache sees misses")
+        # A Get below memory waits at most timeout_s (the client's bound on every call): that is the
+        # deadline whose overrun opens the lower tiers' window, and what sizes it.
+        self._lower_tiers = LowerTiers([HostTier.name], settings.timeout_s)  # the sidecar's one memory tier
+        self._lower_hung = False  # a read below memory hung, and none has answered since
+        self._probe_until = 0.0  # a lookup was let through to blocks below memory: its get probes until then
         self._batch = limits.max_transfer_blocks
         self._lookup_batch = limits.max_lookup_blocks
         self.geometry = ChunkGeometry(tuple(self.meta_shapes), tuple(self.meta_dtypes), self.meta_fmt)
@@ -112,8 +149,9 @@ class KVStoreConnector(RemoteConnector):
         return True
 
     def batched_contains(self, keys: List[CacheEngineKey]) -> int:
-        """How many leading ``keys`` the sidecar holds (0 when it cannot be reached or after close);
-        runs on the caller's thread."""
+        """How many leading ``keys`` the sidecar holds (0 when it cannot be reached or after close;
+        only those in its host memory while reads below memory are backed off); runs on the
+        caller's thread."""
         with self._workers.admitted() as call:
             return 0 if call is None else self._count_present(call, keys)
 
@@ -125,7 +163,8 @@ class KVStoreConnector(RemoteConnector):
                 if call.stopped:
                     break
                 batch = digests[start : start + self._lookup_batch]
-                hit = self._lookup(batch)
+                result = self._lookup(batch)
+                hit = self._lookup_usable(result.tiers, result.hit_blocks)
                 found += hit
                 if hit < len(batch):
                     break
@@ -133,11 +172,31 @@ class KVStoreConnector(RemoteConnector):
             self._failed("look up objects", exc)
         return found
 
-    def _lookup(self, digests: list[bytes]) -> int:
-        """Leading ``digests`` the sidecar holds; waits at most ``lookup_timeout_s`` (registration too)."""
+    def _lookup(self, digests: list[bytes]) -> LookupResult:
+        """Leading ``digests`` the sidecar holds, and their tiers; waits at most ``lookup_timeout_s``
+        (registration too)."""
         bound = self.settings.lookup_timeout_s
         return self.session.call(partial(self.client.lookup, self.session.ns_id, digests, timeout_s=bound),
-                                 timeout_s=bound).hit_blocks
+                                 timeout_s=bound)
+
+    def _lookup_usable(self, tiers: Sequence[str], blocks: int) -> int:
+        """How many of a lookup's ``blocks`` hit blocks (held in ``tiers``) to count: all, or while
+        the lower tiers' window is open, those before the first one below memory, so that LMCache
+        does not plan a get that would wait on a hung disk. A lookup let through to blocks below
+        memory while a hang is on record was granted the window's probe, which the next get that
+        reads below memory makes; until that get (at most ``PROBE_HANDOVER_S``) lookups count every
+        block too, since LMCache looks a prompt up again before it gets it."""
+        with self._lock:
+            if self._probe_until > time.monotonic():
+                return blocks
+        usable = self._lower_tiers.usable(tiers, blocks)
+        if usable < blocks:
+            self._count(lookup_cut_below_memory=blocks - usable)
+        elif self._lower_tiers.below_memory(tiers[:blocks]):
+            with self._lock:
+                if self._lower_hung:
+                    self._probe_until = time.monotonic() + PROBE_HANDOVER_S
+        return usable
 
     def support_batched_async_contains(self) -> bool:
         return True
@@ -192,7 +251,7 @@ class KVStoreConnector(RemoteConnector):
         grant = self.session.call(partial(self.client.get_slots, self.session.ns_id, digests,
                                           self.settings.lease_ttl_s))
         if grant.lease_id is None:  # nothing present, or no lease to be had: then Get copes alone
-            return self._fetch(call, digests) if grant.lease_refused else []
+            return self._fetch(call, digests, in_memory=0) if grant.lease_refused else []  # tiers unknown
         objs: list[MemoryObj] = []
         from_slots = 0  # the objects rebuilt from the grant's slots (for the sidecar's metrics)
         try:
@@ -201,7 +260,9 @@ class KVStoreConnector(RemoteConnector):
                 objs, complete = self._stream(call, grant, digests)
                 from_slots = len(objs)
                 self._count(hits_data_plane=len(objs))
-                return objs + self._fetch(call, digests[len(objs) : grant.hit_blocks]) if complete else objs
+                if not complete:
+                    return objs
+                return objs + self._fetch(call, digests[len(objs) : grant.hit_blocks], len(grant.slots) - len(objs))
             for digest, slot in zip(digests, slots):
                 obj = None if call.stopped else self._rebuild(digest, slot)
                 if obj is None:
@@ -211,7 +272,7 @@ class KVStoreConnector(RemoteConnector):
             self._count(hits_shared_memory=len(objs))
             if len(objs) < len(slots):
                 return objs
-            return objs + self._fetch(call, digests[len(objs) : grant.hit_blocks])
+            return objs + self._fetch(call, digests[len(objs) : grant.hit_blocks], len(grant.slots) - len(objs))
         except BaseException:
             _free(objs)
             from_slots = 0
@@ -240,17 +301,22 @@ class KVStoreConnector(RemoteConnector):
             raise
         return objs, True
 
-    def _fetch(self, call: Call, digests: List[bytes]) -> List[MemoryObj]:
+    def _fetch(self, call: Call, digests: List[bytes], in_memory: int) -> List[MemoryObj]:
         """The leading objects of ``digests`` through Get, one block at a time into the scratch
-        block, until ``call`` stops."""
+        block, until ``call`` stops. The first ``in_memory`` are in the host tier; the others may be
+        below memory (on disk): while the lower tiers' window is open the get stops before them, and
+        a Get of one that passes its deadline ends the get there (``_load_below_memory``)."""
         block = self._scratch_block()
         objs: list[MemoryObj] = []
         try:
-            for digest in digests:
+            for index, digest in enumerate(digests[: self._get_usable(max(0, in_memory), len(digests))]):
                 if call.stopped:
                     break
-                loaded = self.session.call(partial(self.client.load, self.session.ns_id, [digest], [block]))
-                obj = self._rebuild(digest, block) if loaded.complete else None
+                if index < in_memory:
+                    loaded = self.session.call(partial(self.client.load, self.session.ns_id, [digest], [block]))
+                else:
+                    loaded = self._load_below_memory(digest, block)
+                obj = self._rebuild(digest, block) if loaded is not None and loaded.complete else None
                 if obj is None:
                     break
                 objs.append(obj)
@@ -258,6 +324,66 @@ class KVStoreConnector(RemoteConnector):
             _free(objs)
             raise
         return objs
+
+    def _get_usable(self, in_memory: int, blocks: int) -> int:
+        """How many of a get's ``blocks`` (the first ``in_memory`` in host memory) it may read now:
+        all, or while the lower tiers' window is open, the ones in memory (the rest counted in
+        ``cut_below_memory``). The probe a lookup was granted (``_lookup_usable``) lets one get through."""
+        if in_memory >= blocks:
+            return blocks
+        with self._lock:
+            probe, self._probe_until = self._probe_until > time.monotonic(), 0.0
+        if probe:
+            return blocks
+        usable = self._lower_tiers.usable([HostTier.name] * in_memory + [BELOW_MEMORY] * (blocks - in_memory), blocks)
+        if usable < blocks:
+            self._count(cut_below_memory=blocks - usable)
+        return usable
+
+    def _load_below_memory(self, digest: bytes, block: np.ndarray):
+        """Get of one block that may be below memory: its ``LoadResult``, or None when the Get ran
+        past its deadline (``timeout_s``) while the sidecar itself answers (a lookup, within
+        ``lookup_timeout_s``): its disk hangs, so the lower tiers' window opens and the session's
+        does not (host-memory hits keep being served). If the sidecar does not answer either, the
+        Get's error is raised, as any call's: the session backs off the whole sidecar. A Get that
+        answered in time, from below memory or with nothing (a block dropped as corrupt), closes
+        the lower tiers' window."""
+        try:
+            loaded = self.session.call(partial(_load_in_time, self.client, self.session.ns_id, digest, block))
+        except _PastDeadline as late:
+            if not self._sidecar_answers(digest):
+                raise late.error from None
+            self._below_memory_hung(digest)
+            return None
+        if not loaded.tiers or self._lower_tiers.below_memory(loaded.tiers):
+            self._below_memory_answered()
+        return loaded
+
+    def _sidecar_answers(self, digest: bytes) -> bool:
+        """Whether the sidecar answers a lookup (it reads no tier) within ``lookup_timeout_s``; one
+        that does not opens the session's back-off."""
+        try:
+            self._lookup([digest])
+        except Exception as exc:
+            return not not_answering(exc)
+        return True
+
+    def _below_memory_hung(self, digest: bytes) -> None:
+        self._lower_tiers.hung()
+        with self._lock:
+            first, self._lower_hung, self._probe_until = not self._lower_hung, True, 0.0
+            self._counts.update(hung_below_memory=1)
+        (log.warning if first else log.debug)(
+            "kvstore sidecar %s: reading block %s below memory did not answer within %g s (timeout_s) while "
+            "the sidecar answers; gets and lookups stop at its host memory for a while, then one get tries again",
+            self.settings.address, digest.hex(), self.settings.timeout_s)
+
+    def _below_memory_answered(self) -> None:
+        self._lower_tiers.answered()
+        with self._lock:
+            was, self._lower_hung, self._probe_until = self._lower_hung, False, 0.0
+        if was:
+            log.info("kvstore sidecar %s: reads below memory answer again", self.settings.address)
 
     def _rebuild(self, digest: bytes, block: np.ndarray) -> MemoryObj | None:
         """A verified copy of the object framed in ``block`` in memory LMCache allocates; None when
@@ -369,7 +495,7 @@ class KVStoreConnector(RemoteConnector):
             # each Lookup answers the leading run present, so skip one miss per call
             while start < len(keys) and not call.stopped:
                 batch = digests[start : start + self._lookup_batch]
-                hit = self._lookup(batch)
+                hit = self._lookup(batch).hit_blocks  # held, in any tier: list plans no get
                 present += keys[start : start + hit]
                 start += hit if hit == len(batch) else hit + 1
         except Exception as exc:
@@ -394,7 +520,10 @@ class KVStoreConnector(RemoteConnector):
     def counts(self) -> dict[str, int]:
         """What this connector did so far: stored, duplicates, rejected, put_failures, hits,
         hits_shared_memory, hits_data_plane, unclaimed (objects of cancelled gets, freed here),
-        corrupt, no_memory, call_failures."""
+        corrupt, no_memory, call_failures; and for a hung disk: hung_below_memory (Gets of a block
+        below memory given up at their deadline while the sidecar answered), cut_below_memory (hit
+        blocks gets left unread, and lookup_cut_below_memory keys lookups left uncounted, because
+        they sit below memory while the lower tiers' back-off window is open)."""
         with self._lock:
             return dict(self._counts)
 
@@ -434,6 +563,16 @@ class KVStoreConnector(RemoteConnector):
         log.warning("kvstore sidecar: block %s is not a valid LMCache object (%s); it counts as a miss",
                     digest.hex(), exc)
         self._count(corrupt=1)
+
+
+def _load_in_time(client: KVStoreClient, ns_id: bytes, digest: bytes, block: np.ndarray):
+    """``client.load`` of one block, its ``DEADLINE_EXCEEDED`` raised as ``_PastDeadline``."""
+    try:
+        return client.load(ns_id, [digest], [block])
+    except grpc.RpcError as exc:
+        if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            raise _PastDeadline(exc) from None
+        raise
 
 
 def _free(objs: list[MemoryObj]) -> None:

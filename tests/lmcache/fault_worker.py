@@ -3,7 +3,8 @@ it with the LMCache environment's python (``conftest.run_engine(..., worker=FAUL
 
     python fault_worker.py '{"scenario": "cancelled_gets", "address": "127.0.0.1:PORT", "sidecar_pid": PID}'
 
-A slow sidecar is the real one paused with SIGSTOP (``paused``): its calls wait, then succeed.
+A slow sidecar is the real one paused with SIGSTOP (``paused``): its calls wait, then succeed. A
+hung disk (``hung_disk``) is one whose reads the test's sidecar holds while a file exists.
 Engines have 16 layers (4.7 MB chunks) and ``blocking_timeout_secs`` 1 unless a scenario says
 otherwise. Prints one line ``RESULT {json}`` and ends with ``os._exit`` (LMCache's threads).
 """
@@ -289,8 +290,55 @@ def built_with(args: dict) -> dict:
     return {"answers": answers}
 
 
+def hung_disk(args: dict) -> dict:
+    """A sidecar whose host tier holds two chunks, over a disk whose reads hang while the file
+    ``args["hang_file"]`` exists; ``timeout_s`` 1 s (the deadline), ``lookup_timeout_s`` 0.5 s. A
+    prompt of 4 chunks laid out host, host, disk, disk; then with the disk hung: a get of all four,
+    at once a lookup, a get and a retrieve, and 1.5 s later (past the 1 s back-off the session gives
+    a sidecar that stopped answering) a get and a lookup again; the disk back, and the back-off
+    window (5 s from the hang at a 1 s deadline) over: a lookup and a retrieve (as a request goes
+    through LMCache's scheduler, then its worker), then both again.
+    What each answered and how long it took, the tiers before, the counts."""
+    from connectors.lmcache.framing import key_digest
+
+    h = Harness(args, blocking_timeout_s=10, options={"timeout_s": 1.0, "lookup_timeout_s": 0.5})
+    prompt = h.store(8, 1024)  # the host tier keeps the last two chunks put (LRU); the disk all four
+    keys = h.keys(8, 1024)
+
+    def got(objs) -> int:
+        for obj in objs:
+            if obj is not None:
+                obj.ref_count_down()
+        return sum(obj is not None for obj in objs)
+
+    def timed(fn) -> list:
+        started = time.monotonic()
+        answer = fn()
+        return [answer, time.monotonic() - started]
+
+    got(h.backend.batched_get_blocking(keys[:2]))  # read from disk into host memory, which drops chunks 2, 3
+    digests = [key_digest(key.to_string()) for key in keys]
+    tiers = list(h.connector.client.lookup(h.connector.session.ns_id, digests).tiers)
+    get = lambda: got(h.backend.batched_get_blocking(keys))  # noqa: E731
+    contains = lambda: h.backend.batched_contains(keys)  # noqa: E731
+    open(args["hang_file"], "w").close()
+    first = timed(get)
+    hung_at = time.monotonic()
+    window = {"contains": timed(contains), "get": timed(get), "retrieve": timed(lambda: h.retrieve(prompt))}
+    time.sleep(1.5)
+    window.update(later_get=timed(get), later_contains=timed(contains))
+    window_counts = h.connector.counts()
+    os.remove(args["hang_file"])
+    time.sleep(max(0.0, hung_at + 5.3 - time.monotonic()))
+    after = {"contains": timed(contains)}  # as LMCache's scheduler looks the prompt up
+    after.update(retrieve=timed(lambda: h.retrieve(prompt)))  # which looks it up again, then gets it
+    after.update(contains_again=timed(contains), retrieve_again=timed(lambda: h.retrieve(prompt)))
+    return {"tiers": tiers, "first": first, "window": window, "window_counts": window_counts, "after": after,
+            "counts": h.connector.counts(), "active_objects": h.active_objects()}
+
+
 SCENARIOS = {f.__name__: f for f in (cancelled_gets, after_close, close_during_calls, cancelled_put,
-                                      close_during_puts, planted_descriptions, built_with)}
+                                      close_during_puts, planted_descriptions, built_with, hung_disk)}
 
 
 if __name__ == "__main__":
