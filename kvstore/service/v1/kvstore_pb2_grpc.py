@@ -112,8 +112,8 @@ class KVStoreServicer(object):
 
     def Get(self, request, context):
         """Whole blocks, in order, stopping at the first the store cannot serve: one GetHeader, then
-        the chunks of every served block. Ends the given lease once the store has the call (a call
-        refused by a limit or a size check leaves it for a retry).
+        the chunks of every served block. Ends the given lease whatever happens: also a call refused
+        by a limit or a size check, or one that fails midway (a retry naming it reads unpinned).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
