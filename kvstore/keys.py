@@ -79,14 +79,14 @@ class Namespace:
             raise InvalidRequest(f"Namespace.num_layers must be positive, got {self.num_layers}")
         if self.block_size <= 0:
             raise InvalidRequest(f"Namespace.block_size must be positive, got {self.block_size}")
+        object.__setattr__(self, "components", _strings("components", self.components))
+        object.__setattr__(self, "extra", _pairs("extra", self.extra))
         if not self.components:
             raise InvalidRequest("Namespace.components must name at least one component format")
         if self.hash_algorithm != HASH_ALGORITHM:
             raise InvalidRequest(
                 f"unknown hash algorithm {self.hash_algorithm!r}; supported: {HASH_ALGORITHM!r}"
             )
-        object.__setattr__(self, "components", tuple(self.components))
-        object.__setattr__(self, "extra", tuple(tuple(kv) for kv in self.extra))
 
     def canonical_json(self) -> str:
         """The fingerprinted form: sorted keys, no whitespace, lists for tuples."""
@@ -99,10 +99,33 @@ class Namespace:
 
     @classmethod
     def from_json(cls, text: str) -> "Namespace":
-        fields = json.loads(text)
-        fields["components"] = tuple(fields["components"])
-        fields["extra"] = tuple(tuple(kv) for kv in fields.get("extra", ()))
-        return cls(**fields)
+        """The namespace ``canonical_json`` wrote; ``InvalidRequest`` for fields of the wrong type
+        (``ValueError``, ``TypeError`` or ``KeyError`` for text that is no JSON object of them)."""
+        return cls(**json.loads(text))
+
+
+def _sequence(name: str, value, what: str) -> Sequence:
+    """``value`` if it is a list or tuple, else ``InvalidRequest`` saying ``Namespace.name`` must be ``what``."""
+    if not isinstance(value, (list, tuple)):
+        raise InvalidRequest(f"Namespace.{name} must be {what}, got {value!r:.80}")
+    return value
+
+
+def _strings(name: str, value) -> tuple[str, ...]:
+    """``value``, a list or tuple of strings, as a tuple; else ``InvalidRequest`` naming ``Namespace.name``."""
+    items = tuple(_sequence(name, value, "a list of strings"))
+    if not all(isinstance(item, str) for item in items):
+        raise InvalidRequest(f"Namespace.{name} must be a list of strings, got {value!r:.80}")
+    return items
+
+
+def _pairs(name: str, value) -> tuple[tuple[str, str], ...]:
+    """``value``, a list or tuple of [key, value] string pairs, as tuples; else ``InvalidRequest``."""
+    what = "a list of [key, value] pairs of strings"
+    pairs = tuple(tuple(_sequence(name, pair, what)) for pair in _sequence(name, value, what))
+    if not all(len(pair) == 2 and all(isinstance(item, str) for item in pair) for pair in pairs):
+        raise InvalidRequest(f"Namespace.{name} must be {what}, got {value!r:.80}")
+    return pairs
 
 
 def config_hash(config: dict) -> str:

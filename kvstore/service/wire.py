@@ -30,6 +30,7 @@ def optional(message, name: str):
 # ---- namespaces ------------------------------------------------------------------------
 
 def namespace_from_request(request: pb.RegisterNamespaceRequest) -> Namespace:
+    """The namespace a RegisterNamespace call names; ``InvalidRequest`` for anything else."""
     which = request.WhichOneof("namespace")
     if which is None:
         raise InvalidRequest("RegisterNamespace needs the namespace's fields or its canonical_json")
@@ -39,6 +40,9 @@ def namespace_from_request(request: pb.RegisterNamespaceRequest) -> Namespace:
         return _namespace_from_fields(request.fields)
     except InvalidRequest:
         raise
+    except RecursionError:  # json.loads of arrays or objects nested thousands deep
+        raise InvalidRequest("canonical_json is nested too deeply to be a namespace; send "
+                             "Namespace.canonical_json() or the Namespace message's fields") from None
     except (ValueError, TypeError, KeyError) as exc:
         raise InvalidRequest(f"not a valid namespace ({exc!r}); send Namespace.canonical_json() "
                              f"or the Namespace message's fields") from None

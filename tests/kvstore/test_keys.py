@@ -395,3 +395,14 @@ def test_numpy_integers_are_plain_ints_in_a_namespace():
     fields = dict(model="m", model_config_hash="c", components=("mla_bf16",))
     assert Namespace(num_layers=np.int64(4), block_size=np.int32(64), **fields).id == \
         Namespace(num_layers=4, block_size=64, **fields).id
+
+
+@pytest.mark.parametrize("field, value", [("components", [["mla_bf16"]]), ("components", "mla_bf16"),
+                                          ("components", (b"mla_bf16",)), ("extra", [("k", 1)]),
+                                          ("extra", [("k", "v", "w")]), ("extra", "kv")])
+def test_namespace_components_and_extra_must_hold_strings(field, value):
+    """Anything else once reached the layout (an unhashable component: TypeError) or made a
+    namespace the gRPC Namespace message cannot express."""
+    fields = dict(model="m", model_config_hash="c", num_layers=4, components=("mla_bf16",))
+    with pytest.raises(InvalidRequest, match=f"Namespace.{field} must be a list of"):
+        Namespace(**{**fields, field: value})
