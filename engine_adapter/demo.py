@@ -26,6 +26,7 @@ meaningless text but exact and comparable.
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -67,7 +68,7 @@ class DemoConfig:
     user_tokens: int = 320
     new_tokens: int = 16
     chunk_size: int = 512
-    data_dir: str | None = None  # None: a fresh temporary directory
+    data_dir: str | None = None  # None: a fresh temporary directory, removed at the end
     host_capacity: int = 512 << 20
     disk_capacity: int = 4 << 30
     seed: int = 0
@@ -102,7 +103,8 @@ class _Demo:
         self.weights = weights_fingerprint(self.model)  # another --seed is another model
         self.namespace = namespace_for(self.model.config, "demo/deepseek-random", PAGE, weights_hash=self.weights,
                                        compute_dtype=str(self.model.dtype))
-        self.data_dir = cfg.data_dir or (None if cfg.sidecar else tempfile.mkdtemp(prefix="kvstore-demo-"))
+        self._temporary_dir = cfg.data_dir is None and not cfg.sidecar  # made here, removed by ``close``
+        self.data_dir = tempfile.mkdtemp(prefix="kvstore-demo-") if self._temporary_dir else cfg.data_dir
         self.rng = torch.Generator().manual_seed(cfg.seed + 1)
         self.store = None if cfg.sidecar else self._open_store()
         self.connector = self._connect()
@@ -114,7 +116,11 @@ class _Demo:
 
             from connectors.sidecar_connector import SidecarConnector
 
-            connector = SidecarConnector(self.cfg.sidecar, self.namespace, load_timeout_s=load_timeout_from())
+            from kvstore.service.limits import ServiceLimits
+
+            # the sidecar's KVSTORE_MAX_* limits, read as the sidecar reads them: batches stay within them
+            connector = SidecarConnector(self.cfg.sidecar, self.namespace, load_timeout_s=load_timeout_from(),
+                                         limits=ServiceLimits.from_env())
             try:
                 connector.stats()  # the demo reads the sidecar's tier counters after every request
             except grpc.RpcError as exc:
@@ -229,9 +235,14 @@ class _Demo:
         self.connector = StoreConnector(self.store, self.namespace, load_timeout_s=load_timeout_from())
 
     def close(self) -> None:
-        self.connector.close()
-        if self.store is not None:
-            self.store.close()
+        """Close the connector and the store; remove the store's directory if it was a temporary one."""
+        try:
+            self.connector.close()
+            if self.store is not None:
+                self.store.close()
+        finally:
+            if self._temporary_dir:
+                shutil.rmtree(self.data_dir, ignore_errors=True)
 
 
 def run_demo(cfg: DemoConfig, say: Callable[[str], None] = print) -> dict:

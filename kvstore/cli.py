@@ -16,6 +16,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import sys
 from typing import Callable
 
@@ -68,12 +69,21 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return _cmd_demo(args)
     import tempfile
 
-    from kvstore.service.local import LocalSidecar
-
     say = (lambda s: print(s, file=sys.stderr)) if args.json else print
     data_dir = args.data_dir or tempfile.mkdtemp(prefix="kvstore-run-")
+    try:
+        return _run_with_sidecar(args, data_dir, say)
+    finally:
+        if args.data_dir is None:  # a temporary directory: nothing in it outlives the command
+            shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def _run_with_sidecar(args: argparse.Namespace, data_dir: str, say) -> int:
+    from kvstore.service.local import LocalSidecar
+
     with LocalSidecar(data_dir, args.host_capacity, args.disk_capacity, http_address=args.http_address) as sidecar:
-        say(f"sidecar: gRPC on {sidecar.address}, disk tier in {data_dir}")
+        temporary = " (temporary: removed at the end; --data-dir keeps one)" if args.data_dir is None else ""
+        say(f"sidecar: gRPC on {sidecar.address}, disk tier in {data_dir}{temporary}")
         say(f"dashboard: {sidecar.url}  (live while the demo runs; metrics at {sidecar.url}metrics)")
         args.sidecar = sidecar.address
         code = _cmd_demo(args)

@@ -2,6 +2,7 @@
 output equals a cold run."""
 
 import socket
+import tempfile
 
 import pytest
 
@@ -28,17 +29,25 @@ def test_quick_demo_reuses_from_every_tier_and_matches_cold_runs(tmp_path):
     assert any("outputs identical to cold runs: True" in line for line in lines)
 
 
-def test_v32_quick_demo_with_hits_longer_than_index_topk(tmp_path):
-    result = run_demo(DemoConfig.quick(data_dir=str(tmp_path), v32=True), lambda s: None)
+def test_v32_quick_demo_with_hits_longer_than_index_topk(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the demo's own store directory goes
+    result = run_demo(DemoConfig.quick(v32=True), lambda s: None)
     topk = result["model_config"]["index_topk"]
     assert result["long_prompt"]["cached_tokens"] > topk  # the indexer keys came back with the latents
     assert result["outputs_identical"] is True
+    assert list(tmp_path.iterdir()) == [], "the temporary store directory outlived the demo"
 
 
-def test_quick_demo_against_a_sidecar_reuses_the_same_and_matches_cold_runs(make_store):
+def test_quick_demo_against_a_sidecar_reuses_the_same_and_matches_cold_runs(make_store, monkeypatch):
+    """The sidecar's limits are low: the demo reads them from the environment, as the sidecar does,
+    and keeps its batches within them."""
+    from kvstore.service.limits import ServiceLimits
     from tests.connectors.sidecar_server import Sidecar
 
-    sidecar = Sidecar(make_store(host_bytes=64 << 20, page_bytes=256 << 10, disk_bytes=64 << 20, segment_bytes=4 << 20))
+    monkeypatch.setenv("KVSTORE_MAX_TRANSFER_BLOCKS", "2")
+    monkeypatch.setenv("KVSTORE_MAX_LOOKUP_BLOCKS", "16")  # the long prompt's hit is 14 blocks
+    sidecar = Sidecar(make_store(host_bytes=64 << 20, page_bytes=256 << 10, disk_bytes=64 << 20, segment_bytes=4 << 20),
+                      limits=ServiceLimits.from_env())
     try:
         lines = []
         result = run_demo(DemoConfig.quick(sidecar=sidecar.target), lines.append)

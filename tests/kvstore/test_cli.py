@@ -236,3 +236,26 @@ def test_the_serve_usage_in_its_docstring_names_every_flag():
     serve_cli.add_serve_arguments(parser)
     usage = serve_cli.__doc__.split("\n\n")[1]
     assert set(re.findall(r"--[a-z-]+", usage)) == set(re.findall(r"--[a-z-]+", parser.format_usage()))
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_run_removes_the_temporary_directory_it_made_and_keeps_a_given_one(tmp_path, monkeypatch, keep):
+    """The sidecar and demo are stubbed: only what `kvstore run` does with its directory is tested."""
+    import tempfile
+
+    from kvstore import cli
+
+    made = []
+
+    def fake_run(args, data_dir, say):
+        made.append(data_dir)
+        open(os.path.join(data_dir, "segment"), "w").close()  # what a disk tier leaves
+        raise RuntimeError("the demo failed")  # removed even then
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(cli, "_run_with_sidecar", fake_run)
+    given = tmp_path / "given"
+    given.mkdir()
+    args = cli.build_parser().parse_args(["run", "--quick"] + (["--data-dir", str(given)] if keep else []))
+    with pytest.raises(RuntimeError):
+        cli._cmd_run(args)
+    assert os.path.exists(made[0]) == keep and (made[0] == str(given)) == keep
