@@ -170,7 +170,7 @@ class KVStoreClient:
         views = [byte_view(d, writable=True) for d in dsts]
         grant = self.get_slots(ns_id, block_hashes, lease_ttl_s)
         if grant.lease_id is None:  # nothing hit, or the lease was refused: no pin, no mapping
-            return self.load(ns_id, block_hashes, dsts) if grant.lease_refused else LoadResult(len(dsts), (), 0)
+            return self._load_all(ns_id, block_hashes, views) if grant.lease_refused else LoadResult(len(dsts), (), 0)
         try:
             check_block_bytes(_one_size(views, "destination buffers"), grant.block_bytes, "destination buffer",
                               len(views))
@@ -182,7 +182,7 @@ class KVStoreClient:
             self._release_if_held(grant.lease_id, 0)  # the call fails: the caller keeps no copy
             raise
         if not self._release_if_held(grant.lease_id, copied):  # expired while we copied: the slots may be reused
-            return self.load(ns_id, block_hashes, dsts)
+            return self._load_all(ns_id, block_hashes, views)
         served = (HostTier.name,) * copied + tail
         return LoadResult(len(block_hashes), served, len(served) * grant.block_bytes)
 
@@ -234,6 +234,11 @@ class KVStoreClient:
             if verify and not layers_match(views[i], grant.slots[i].layer_checksums):
                 return i
         return len(sources)
+
+    def _load_all(self, ns_id: bytes, block_hashes: Sequence[bytes], views: Sequence) -> LoadResult:
+        """``load``'s result for every block, through Get calls of at most max_transfer_blocks."""
+        served = self._load_batched(ns_id, block_hashes, views)
+        return LoadResult(len(block_hashes), served, sum(view.nbytes for view in views[: len(served)]))
 
     def _load_batched(self, ns_id: bytes, block_hashes: Sequence[bytes], views: Sequence) -> tuple[str, ...]:
         """Get in calls of at most max_transfer_blocks; the tiers of the blocks served, stopping at a miss."""

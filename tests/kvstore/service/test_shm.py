@@ -15,6 +15,7 @@ import pytest
 from kvstore.keys import Namespace
 from kvstore.layout import BlockSpec
 from kvstore.service.client import KVStoreClient
+from kvstore.service.limits import ServiceLimits
 from kvstore.service.shm import SegmentMaps
 from tests.conftest import payloads_for
 from tests.kvstore.service.test_service import rpc_error
@@ -186,3 +187,42 @@ def test_a_new_segment_path_unmaps_the_old_one(tmp_path):
 def _mapped_files() -> str:
     with open("/proc/self/maps") as f:
         return f.read()
+
+
+BATCHED = dict(max_transfer_blocks=4)  # the 10-block chain takes three Get calls
+
+
+@pytest.mark.parametrize("shared_memory", [True, False])
+def test_load_shm_batches_its_get_when_the_lease_expired_before_release(make_store, start_server, namespace, spec,
+                                                                        chain, shared_memory):
+    """The lease lapses before the copies are released, so every block comes through Get: in calls
+    of at most max_transfer_blocks, as ``load_shm`` batches its tail (one Get of all ten once
+    answered RESOURCE_EXHAUSTED)."""
+    server = start_server(make_store(host_bytes=1 << 20), ServiceLimits(**BATCHED))
+    with KVStoreClient(server.target, timeout_s=30, limits=ServiceLimits(**BATCHED),
+                       shared_memory=shared_memory) as client:
+        ns_id = client.register_namespace(namespace)
+        payloads = payloads_for(spec, chain)
+        for start in range(0, len(chain), 4):
+            client.put(ns_id, chain[start : start + 4], payloads[start : start + 4], parent=chain[start - 1] if start else None)
+        dsts = zeros(spec, len(chain))
+        result = client.load_shm(ns_id, chain, dsts, lease_ttl_s=1e-4)
+        assert result.tiers == ("host",) * 10 and result.nbytes == 10 * spec.block_bytes
+        assert all(np.array_equal(d, p) for d, p in zip(dsts, payloads))
+
+
+def test_load_shm_batches_its_get_when_the_store_refuses_the_lease(make_store, start_server, namespace, spec, chain):
+    store = make_store(host_bytes=1 << 20, max_leases=1)
+    server = start_server(store, ServiceLimits(**BATCHED))
+    with KVStoreClient(server.target, timeout_s=30, limits=ServiceLimits(**BATCHED)) as client:
+        ns_id = client.register_namespace(namespace)
+        payloads = payloads_for(spec, chain)
+        for start in range(0, len(chain), 4):
+            client.put(ns_id, chain[start : start + 4], payloads[start : start + 4], parent=chain[start - 1] if start else None)
+        held = client.lookup(ns_id, chain[:1], lease_ttl_s=60)  # the store's only lease
+        assert client.get_slots(ns_id, chain).lease_refused
+        dsts = zeros(spec, len(chain))
+        result = client.load_shm(ns_id, chain, dsts)
+        assert result.tiers == ("host",) * 10 and result.nbytes == 10 * spec.block_bytes
+        assert all(np.array_equal(d, p) for d, p in zip(dsts, payloads))
+        client.release(held.lease_id)
