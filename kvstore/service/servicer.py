@@ -24,6 +24,7 @@ import grpc
 import numpy as np
 
 from kvstore.errors import InvalidRequest, KVStoreError, NotPermitted, StoreClosed, UnknownLease, UnknownNamespace
+from kvstore.keys import DIGEST_BYTES
 from kvstore.service import shm, wire
 from kvstore.service.chunk_codec import encode_chunk
 from kvstore.service.chunks import BlockAssembler, check_block_bytes, iter_chunks
@@ -36,6 +37,7 @@ from kvstore.service.v1 import kvstore_pb2 as pb
 from kvstore.service.v1 import kvstore_pb2_grpc
 from kvstore.store import TieredStore
 from kvstore.tiers.host import HostTier
+from kvstore.validation import check_chain, check_hashes
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVStore"].full_name  # "kvstore.v1.KVStore"
 
@@ -68,6 +70,16 @@ def _release_quietly(store: TieredStore, lease_id: int) -> None:
         store.release(lease_id)
     except UnknownLease:  # expired meanwhile: the blocks were served unpinned, and each verified
         pass
+
+
+def _check_put_chain(hashes, parent: bytes | None) -> None:
+    """What ``store.put`` checks of a chain (16-byte hashes, distinct, the parent not among them),
+    at the call's start: before a Put's payload arrives or a ReserveSlots takes staging space."""
+    check_hashes(hashes)
+    if parent is not None and len(parent) != DIGEST_BYTES:
+        raise InvalidRequest(f"parent must be a {DIGEST_BYTES}-byte block hash (the one before block_hashes[0]), "
+                             f"got {len(parent)} bytes")
+    check_chain(hashes, parent)
 
 
 def _put_then(store: TieredStore, ns_id: bytes, hashes: list[bytes], payloads: list, parent: bytes | None, then):
@@ -324,8 +336,9 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     async def Put(self, request_iterator, context):
         with self._transfers.hold(client_of(context)):
             header = wire.put_header(await self._with_client(anext(request_iterator, None), "sent no PutHeader"))
-            hashes = list(header.block_hashes)
+            hashes, parent = list(header.block_hashes), wire.optional(header, "parent")
             self._limits.check_blocks("max_transfer_blocks", len(hashes))
+            _check_put_chain(hashes, parent)
             spec = self._store.spec(header.namespace_id)
             check_block_bytes(header.block_bytes, spec.block_bytes, "block payload", len(hashes))
             assembler = BlockAssembler(len(hashes), spec.block_bytes, self._limits.max_chunk_bytes)
@@ -333,18 +346,18 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             while (message := await self._with_client(anext(request_iterator, None), "sent no chunk")) is not None:
                 chunk = wire.put_chunk(message)
                 assembler.add(chunk.block_index, chunk.offset, chunk.data)
-            return await self._put(header.namespace_id, hashes, assembler.finish(), wire.optional(header, "parent"),
-                                   started)
+            return await self._put(header.namespace_id, hashes, assembler.finish(), parent, started)
 
     @translate_errors
     async def ReserveSlots(self, request, context):
         staging = self._staging_area()
-        hashes = tuple(request.block_hashes)
+        hashes, parent = tuple(request.block_hashes), wire.optional(request, "parent")
         self._limits.check_blocks("max_transfer_blocks", len(hashes))
+        _check_put_chain(hashes, parent)
         spec = self._store.spec(request.namespace_id)
         check_block_bytes(request.block_bytes, spec.block_bytes, "block payload", len(hashes))
         ttl_s = request.ttl_s or DEFAULT_RESERVATION_TTL_S
-        reserve = functools.partial(staging.reserve, request.namespace_id, hashes, wire.optional(request, "parent"),
+        reserve = functools.partial(staging.reserve, request.namespace_id, hashes, parent,
                                     spec.block_bytes, spec.num_layers, ttl_s, owner=client_of(context),
                                     owner_limit=self._limits.max_reservations_per_client)
         reservation = await _undone_if_abandoned(staging.cancel, reserve)

@@ -151,6 +151,26 @@ def test_a_reservation_ttl_outside_its_bounds_is_invalid(staged_stub, staging, n
     assert reserve(staged_stub, ns_id, chain[:1], spec, "greedy").ttl_s == 30, "unset: the default"
 
 
+@pytest.mark.parametrize("hashes, parent, message", [
+    (lambda c: [b"abc"], None, "block hashes must be 16-byte digests"),
+    (lambda c: [b"x" * 32], None, "block hashes must be 16-byte digests"),
+    (lambda c: [c[0], c[1], c[0]], None, "a put's blocks must be distinct"),
+    (lambda c: c[1:2], b"p", "parent must be a 16-byte block hash"),
+    (lambda c: c[:2], b"x" * 32, "parent must be a 16-byte block hash"),
+    (lambda c: c[:2], "chain[1]", "must not include its parent"),
+])
+def test_a_reservation_of_a_chain_put_would_refuse_is_invalid_before_it_takes_slots(staged_stub, staging, namespace,
+                                                                                     spec, chain, hashes, parent,
+                                                                                     message):
+    """Once, these reserved slots (and a place of max_reservations_per_client) and were refused
+    only at CommitSlots, after the client had written every slot."""
+    ns_id = register(staged_stub, namespace)
+    parent = chain[1] if parent == "chain[1]" else parent
+    error = rpc_error(reserve, staged_stub, ns_id, hashes(chain), spec, "tenant", parent=parent)
+    assert error.code() == Code.INVALID_ARGUMENT and message in error.details()
+    assert staging.active() == 0
+
+
 def test_reservations_per_client_are_capped_and_others_still_reserve(store, start_server, staging, namespace, spec,
                                                                      chain):
     server = start_server(store, ServiceLimits(max_reservations_per_client=2), staging=staging)
