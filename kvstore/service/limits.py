@@ -153,6 +153,7 @@ class ClientLeases:
         self._expiry: dict[str, dict[int, float]] = collections.defaultdict(dict)  # client -> lease -> deadline
         self._owner: dict[int, str] = {}
         self._deadlines: list[tuple[float, int]] = []  # heap of (deadline, lease); stale once dropped
+        self._taking: collections.Counter[str] = collections.Counter()  # client -> leases being taken now
 
     def check_owner(self, client: str, lease_id: int) -> None:
         """Raise ``NotPermitted`` if another client holds ``lease_id``, ``UnknownLease`` if none does.
@@ -172,11 +173,26 @@ class ClientLeases:
         return None if owner is None else lease_id
 
     def check(self, client: str) -> None:
-        """Raise ``LimitExceeded`` if ``client`` may not take another lease now."""
+        """Raise ``LimitExceeded`` if ``client`` may not take another lease now (places held by
+        ``taking`` count as leases)."""
         self._purge(time.monotonic())
-        if self.held(client) >= self.per_client:
+        if self.held(client) + self._taking[client] >= self.per_client:
             raise LimitExceeded(f"max_leases_per_client={self.per_client}: this client holds that many leases; "
                                 "release some (or let them expire) before asking for more")
+
+    @contextmanager
+    def taking(self, client: str) -> Iterator[None]:
+        """Hold one of ``client``'s places while a lease is being taken (``LimitExceeded`` if none is
+        free), so that calls awaiting the store at once cannot together overshoot the cap. ``add``
+        the lease inside; the place is given back on leaving, whether a lease was taken or not."""
+        self.check(client)
+        self._taking[client] += 1
+        try:
+            yield
+        finally:
+            self._taking[client] -= 1
+            if not self._taking[client]:
+                del self._taking[client]
 
     def add(self, client: str, lease_id: int, ttl_s: float) -> None:
         now = time.monotonic()

@@ -217,14 +217,13 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     async def Lookup(self, request, context):
         self._limits.check_blocks("max_lookup_blocks", len(request.block_hashes))
         ttl_s, client = wire.optional(request, "lease_ttl_s"), client_of(context)
-        if ttl_s is not None:
-            self._leases.check(client)
         hashes = list(request.block_hashes)
         started = time.perf_counter()
-        result = await self._leasing(self._store.lookup, request.namespace_id, hashes, ttl_s)
+        with self._leases.taking(client) if ttl_s is not None else contextlib.nullcontext():
+            result = await self._leasing(self._store.lookup, request.namespace_id, hashes, ttl_s)
+            if result.lease_id is not None:
+                self._leases.add(client, result.lease_id, ttl_s)
         self.metrics.lookup(request.namespace_id, hashes, result.tiers, time.perf_counter() - started)
-        if result.lease_id is not None:
-            self._leases.add(client, result.lease_id, ttl_s)
         return wire.lookup_to_proto(result)
 
     @translate_errors
@@ -318,12 +317,12 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     async def GetSlots(self, request, context):
         self._limits.check_blocks("max_lookup_blocks", len(request.block_hashes))  # no payload bytes move
         client = client_of(context)
-        self._leases.check(client)
         started, leased_after = time.perf_counter(), time.monotonic()
-        grant = await self._leasing(shm.leased_slots, self._store, request.namespace_id,
-                                    list(request.block_hashes), request.lease_ttl_s)
-        if grant.lease_id is not None:
-            self._leases.add(client, grant.lease_id, request.lease_ttl_s)
+        with self._leases.taking(client):
+            grant = await self._leasing(shm.leased_slots, self._store, request.namespace_id,
+                                        list(request.block_hashes), request.lease_ttl_s)
+            if grant.lease_id is not None:
+                self._leases.add(client, grant.lease_id, request.lease_ttl_s)
         if grant.slots:  # counted at Release, as many as the client copied
             self._granted_slots.add(grant.lease_id, request.namespace_id, request.block_hashes[: len(grant.slots)],
                                     request.lease_ttl_s)

@@ -68,6 +68,42 @@ def test_client_leases_released_early_leave_no_backlog():
     assert len(leases._deadlines) <= 2 + ClientLeases.PURGE_PER_CALL and not leases._owner
 
 
+def test_client_leases_count_a_lease_being_taken_until_its_call_ends():
+    leases = ClientLeases(per_client=2)
+    with leases.taking("a"):
+        with leases.taking("a"):
+            with pytest.raises(LimitExceeded, match="max_leases_per_client=2"):
+                with leases.taking("a"):
+                    pass
+            leases.add("a", 1, ttl_s=30)
+        with leases.taking("b"):
+            pass  # another client is unaffected
+    assert leases.held("a") == 1, "the taken lease stays counted; the place that took none is free again"
+    with leases.taking("a"):
+        pass
+
+
+@pytest.mark.parametrize("rpc", ["Lookup", "GetSlots"])
+def test_leases_asked_for_at_once_do_not_overshoot_the_per_client_cap(store, start_server, namespace, spec, chain,
+                                                                      rpc):
+    """Every call is under way (past the cap check, awaiting the store) before the first is granted."""
+    server = start_server(store, ServiceLimits(max_leases_per_client=2))
+    with KVStoreClient(server.target, timeout_s=10) as client, grpc.insecure_channel(server.target) as channel:
+        ns_id = client.register_namespace(namespace)
+        client.put(ns_id, chain[:2], payloads_for(spec, chain[:2]))
+        call = getattr(KVStoreStub(channel), rpc)
+        request = getattr(pb, f"{rpc}Request")(namespace_id=ns_id, block_hashes=chain[:2], lease_ttl_s=60)
+        unstick = hold_store_lock(store)
+        try:
+            calls = [call.future(request, metadata=[("kvstore-client", "racer")], timeout=30) for _ in range(6)]
+            time.sleep(0.3)
+        finally:
+            unstick.set()
+        refused = [c.exception().code() for c in calls if c.exception() is not None]
+        assert refused == [grpc.StatusCode.RESOURCE_EXHAUSTED] * 4
+        assert store.stats().leases_active == 2
+
+
 def test_transfer_slots_refuse_past_the_per_client_and_global_limits():
     slots = TransferSlots(limit=3, per_client=2)
     with slots.hold("a"), slots.hold("a"):
