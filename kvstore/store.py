@@ -219,9 +219,10 @@ class TieredStore(PlacementMixin, LeaseHolderMixin):
                 with self._lock:
                     self._leases.unpin(keys)
                     self._bury_doomed(keys)
-                if len(served) < len(keys):  # stopped early: end the read-ahead runs it started
-                    for t in (t for t, tier_keys in enumerate(lower) if tier_keys):
-                        self.tiers[t].prefetch([])
+                # end the read-ahead runs it started, even after a full load: a block promoted by
+                # another thread meanwhile is read from memory, and its run would stay this thread's
+                for t in (t for t, tier_keys in enumerate(lower) if tier_keys):
+                    self.tiers[t].prefetch([])
             return LoadResult(len(block_hashes), tuple(served), len(served) * spec.block_bytes)
         finally:
             if lease_id is not None:
@@ -451,8 +452,11 @@ class TieredStore(PlacementMixin, LeaseHolderMixin):
     def check_integrity(self) -> None:
         """Assert every tier's accounting and that directory, policies and tiers agree.
 
-        Meant for a quiescent store (tests, idle time): call ``flush()`` first.
+        Meant for a quiescent store (tests, idle time): call ``flush()`` first. ``StoreClosed``
+        after ``close`` (the tiers' books are gone then).
         """
+        if self._closed:
+            raise StoreClosed("the store is closed: check its integrity before close()")
         with self._lock:
             for t, tier in enumerate(self.tiers):
                 tier.check_integrity()

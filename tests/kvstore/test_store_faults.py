@@ -361,6 +361,40 @@ def test_a_load_stopped_by_an_error_ends_the_read_ahead_it_started(make_store, n
     assert not any(store._leases.is_pinned(ns_id + h) for h in chain[:3])
 
 
+def test_a_full_load_whose_last_disk_block_was_promoted_meanwhile_ends_its_read_ahead(make_store, namespace,
+                                                                                      spec, chain):
+    """Another thread loads (and so promotes) block 2 while this load reads block 1 from disk: this
+    load then takes block 2 from memory and completes, and its read-ahead run must still end (it
+    held span buffers and segment descriptors, deleted segments included, past ``close``)."""
+    import threading
+
+    store = make_store(host_bytes=64 << 10, page_bytes=16 << 10, background_writes=False)
+    ns_id = store.register_namespace(namespace)
+    store.put(ns_id, chain[:3], payloads_for(spec, chain[:3]))
+    store.flush()
+    store.close()
+    store = make_store(host_bytes=64 << 10, page_bytes=16 << 10, background_writes=False)  # disk only now
+    store.register_namespace(namespace)
+    disk = store.tiers[1]
+    if not disk.direct_io:
+        pytest.skip("this file system has no O_DIRECT: no read-ahead run")
+    read = disk.read
+
+    def read_then_promote_block_2(key, dst, *args, **kwargs):
+        done = read(key, dst, *args, **kwargs)
+        if key == ns_id + chain[1]:
+            other = threading.Thread(target=store.load, args=(ns_id, chain[2:3], [np.zeros(spec.block_bytes, np.uint8)]))
+            other.start()
+            other.join()
+        return done
+    disk.read = read_then_promote_block_2
+    dsts = [np.zeros(spec.block_bytes, np.uint8) for _ in range(3)]
+    result = store.load(ns_id, chain[:3], dsts)
+    assert result.tiers == ("disk", "disk", "host"), "the timing this test needs did not happen"
+    assert all((d == p).all() for d, p in zip(dsts, payloads_for(spec, chain[:3])))
+    assert disk._runs.current() is None, "the read-ahead run stayed open after a full load"
+
+
 def test_a_tier_whose_flush_raises_at_close_is_still_closed(make_store, tmp_path, namespace):
     """Its directory lock must be let go: before, a reopen in the same process was refused."""
     from kvstore.tiers.disk import DiskTier
@@ -375,3 +409,13 @@ def test_a_tier_whose_flush_raises_at_close_is_still_closed(make_store, tmp_path
     with pytest.raises(OSError, match="injected"):
         store.close()
     DiskTier(str(tmp_path / "disk"), 4 << 20).close()
+
+
+def test_checking_a_closed_store_says_it_is_closed(make_store, namespace):
+    from kvstore.errors import StoreClosed
+
+    store = make_store()
+    store.register_namespace(namespace)
+    store.close()
+    with pytest.raises(StoreClosed, match="closed"):
+        store.check_integrity()
