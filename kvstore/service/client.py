@@ -236,14 +236,15 @@ class KVStoreClient:
         return len(sources)
 
     def _load_all(self, ns_id: bytes, block_hashes: Sequence[bytes], views: Sequence) -> LoadResult:
-        """``load``'s result for every block, through Get calls of at most max_transfer_blocks."""
+        """``load``'s result for every block, through Get calls within the transfer limits."""
         served = self._load_batched(ns_id, block_hashes, views)
         return LoadResult(len(block_hashes), served, sum(view.nbytes for view in views[: len(served)]))
 
     def _load_batched(self, ns_id: bytes, block_hashes: Sequence[bytes], views: Sequence) -> tuple[str, ...]:
-        """Get in calls of at most max_transfer_blocks; the tiers of the blocks served, stopping at a miss."""
+        """Get in calls of at most max_transfer_blocks (and max_transfer_bytes); the tiers of the blocks
+        served, stopping at a miss."""
         served: tuple[str, ...] = ()
-        step = self._limits.max_transfer_blocks
+        step = max(1, self._limits.transfer_blocks(views[0].nbytes)) if views else 1
         for start in range(0, len(block_hashes), step):
             result = self.load(ns_id, block_hashes[start : start + step], views[start : start + step])
             served += result.tiers

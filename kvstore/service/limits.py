@@ -4,8 +4,11 @@ Every limit has a name that appears in the error (RESOURCE_EXHAUSTED at the gRPC
 caller can tell which one to split around or raise. Defaults, and what they bound:
 
     max_lookup_blocks         16384   block hashes per Lookup (1M tokens of 64-token blocks, ~300 KB)
-    max_transfer_blocks       32      blocks per Get or Put: the server holds them in memory at once
-                                      (32 x 4.29 MiB V3 blocks = 137 MiB per stream)
+    max_transfer_blocks       32      blocks per Get, Put or ReserveSlots
+    max_transfer_bytes        1 GiB   their bytes (blocks x the namespace's block bytes): the server
+                                      holds a Get's or Put's blocks in memory at once, and the client
+                                      picks the block size (a block may be up to a host-tier page);
+                                      32 V3 blocks are 137 MiB, 32 LMCache 256-token V3 chunks 558 MiB
     max_chunk_bytes           1 MiB   payload bytes per chunk message, both directions; a Get or
                                       ReadSlots asking for less than 64 KiB (or this, if less) gets that
     max_concurrent_transfers  16      Get and Put streams running at once; more are refused, not queued
@@ -53,6 +56,7 @@ class StreamIdle(KVStoreError):
 class ServiceLimits:
     max_lookup_blocks: int = 16384
     max_transfer_blocks: int = 32
+    max_transfer_bytes: int = 1 << 30
     max_chunk_bytes: int = 1 << 20
     max_concurrent_transfers: int = 16
     max_message_bytes: int = 4 << 20
@@ -84,6 +88,20 @@ class ServiceLimits:
         limit = getattr(self, name)
         if count > limit:
             raise LimitExceeded(f"{count} blocks in one call exceed {name}={limit}; split the call")
+
+    def check_transfer(self, count: int, block_bytes: int) -> None:
+        """Raise ``LimitExceeded`` if ``count`` blocks of ``block_bytes`` in one Get, Put or
+        ReserveSlots exceed ``max_transfer_blocks`` or ``max_transfer_bytes``."""
+        self.check_blocks("max_transfer_blocks", count)
+        if count * block_bytes > self.max_transfer_bytes:
+            most = self.transfer_blocks(block_bytes)
+            advice = f"send at most {most} a call" if most else "raise max_transfer_bytes for blocks this size"
+            raise LimitExceeded(f"{count} blocks of {block_bytes} bytes in one call ({count * block_bytes} bytes) "
+                                f"exceed max_transfer_bytes={self.max_transfer_bytes}; {advice}")
+
+    def transfer_blocks(self, block_bytes: int) -> int:
+        """The most blocks of ``block_bytes`` one Get or Put may carry (0: not even one)."""
+        return min(self.max_transfer_blocks, self.max_transfer_bytes // block_bytes)
 
     def check_new_namespace(self, registered: int) -> None:
         """Raise ``LimitExceeded`` if the store already holds ``max_namespaces`` namespaces."""

@@ -232,9 +232,9 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         lease_id = self._leases.held_by(client, request.lease_id) if request.HasField("lease_id") else None
         with contextlib.ExitStack() as transfer:
             try:
-                self._limits.check_blocks("max_transfer_blocks", len(hashes))
                 transfer.enter_context(self._transfers.hold(client))
                 spec = self._store.spec(request.namespace_id)
+                self._limits.check_transfer(len(hashes), spec.block_bytes)
                 check_block_bytes(request.block_bytes or spec.block_bytes, spec.block_bytes, "destination buffer",
                                   len(hashes))
             except KVStoreError:  # refused: the lease ends all the same, as the call promises
@@ -336,9 +336,9 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         with self._transfers.hold(client_of(context)):
             header = wire.put_header(await self._with_client(anext(request_iterator, None), "sent no PutHeader"))
             hashes, parent = list(header.block_hashes), wire.optional(header, "parent")
-            self._limits.check_blocks("max_transfer_blocks", len(hashes))
-            _check_put_chain(hashes, parent)
             spec = self._store.spec(header.namespace_id)
+            self._limits.check_transfer(len(hashes), spec.block_bytes)
+            _check_put_chain(hashes, parent)
             check_block_bytes(header.block_bytes, spec.block_bytes, "block payload", len(hashes))
             assembler = BlockAssembler(len(hashes), spec.block_bytes, self._limits.max_chunk_bytes)
             started = time.perf_counter()
@@ -351,9 +351,9 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     async def ReserveSlots(self, request, context):
         staging = self._staging_area()
         hashes, parent = tuple(request.block_hashes), wire.optional(request, "parent")
-        self._limits.check_blocks("max_transfer_blocks", len(hashes))
-        _check_put_chain(hashes, parent)
         spec = self._store.spec(request.namespace_id)
+        self._limits.check_transfer(len(hashes), spec.block_bytes)
+        _check_put_chain(hashes, parent)
         check_block_bytes(request.block_bytes, spec.block_bytes, "block payload", len(hashes))
         ttl_s = request.ttl_s or DEFAULT_RESERVATION_TTL_S
         reserve = functools.partial(staging.reserve, request.namespace_id, hashes, parent,

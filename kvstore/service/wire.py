@@ -17,6 +17,8 @@ from kvstore.service.staging import Reservation
 from kvstore.service.v1 import kvstore_pb2 as pb
 from kvstore.tiers.base import TierStats
 
+MAX_NAMESPACE_STRING_CHARS = 4096  # any one string of a registered namespace (a name, salt, hash, key or value)
+MAX_NAMESPACE_JSON_CHARS = 16384  # its whole canonical_json: a namespace stays in memory until the sidecar restarts
 _NAMESPACE_OPTIONAL = ("block_size", "engine", "engine_version", "weights_hash", "cache_salt", "hash_algorithm")
 _TIER_NUMBERS = tuple(f.name for f in fields(TierStats) if f.name not in ("name", "extra"))
 _STORE_NUMBERS = tuple(f.name for f in fields(StoreStats) if f.name not in ("tiers", "counters"))
@@ -36,8 +38,8 @@ def namespace_from_request(request: pb.RegisterNamespaceRequest) -> Namespace:
         raise InvalidRequest("RegisterNamespace needs the namespace's fields or its canonical_json")
     try:
         if which == "canonical_json":
-            return Namespace.from_json(request.canonical_json)
-        return _namespace_from_fields(request.fields)
+            return _within_size(Namespace.from_json(request.canonical_json))
+        return _within_size(_namespace_from_fields(request.fields))
     except InvalidRequest:
         raise
     except RecursionError:  # json.loads of arrays or objects nested thousands deep
@@ -46,6 +48,24 @@ def namespace_from_request(request: pb.RegisterNamespaceRequest) -> Namespace:
     except (ValueError, TypeError, KeyError) as exc:
         raise InvalidRequest(f"not a valid namespace ({exc!r}); send Namespace.canonical_json() "
                              f"or the Namespace message's fields") from None
+
+
+def _within_size(namespace: Namespace) -> Namespace:
+    """``namespace``, if its strings and its canonical_json are within MAX_NAMESPACE_STRING_CHARS and
+    MAX_NAMESPACE_JSON_CHARS; else ``InvalidRequest`` naming the field and the limit."""
+    strings = [(f.name, value) for f in fields(namespace) if isinstance(value := getattr(namespace, f.name), str)]
+    strings += [("components", c) for c in namespace.components] + [("extra", s) for kv in namespace.extra for s in kv]
+    for name, value in strings:
+        if len(value) > MAX_NAMESPACE_STRING_CHARS:
+            raise InvalidRequest(f"Namespace.{name} has a string of {len(value)} characters, at most "
+                                 f"{MAX_NAMESPACE_STRING_CHARS}: the sidecar keeps every namespace in memory until "
+                                 "it restarts (pass a digest of a longer value)")
+    size = len(namespace.canonical_json())
+    if size > MAX_NAMESPACE_JSON_CHARS:
+        raise InvalidRequest(f"the namespace's canonical_json has {size} characters, at most {MAX_NAMESPACE_JSON_CHARS} "
+                             f"({len(namespace.extra)} extra pairs, {len(namespace.components)} components): the "
+                             "sidecar keeps every namespace in memory until it restarts")
+    return namespace
 
 
 def _namespace_from_fields(msg: pb.Namespace) -> Namespace:

@@ -119,6 +119,37 @@ def test_transfer_slots_refuse_past_the_per_client_and_global_limits():
         pass  # all were given back
 
 
+def test_transfers_are_capped_in_bytes_and_the_client_loads_within_the_cap(store, start_server, namespace, spec,
+                                                                           chain):
+    """The client picks the block size, so a block count alone does not bound the memory a Get or
+    Put holds: max_transfer_bytes does, also for ReserveSlots. ``load_shm`` batches within it."""
+    limits = ServiceLimits(max_transfer_bytes=3 * spec.block_bytes)
+    server = start_server(store, limits)
+    with KVStoreClient(server.target, timeout_s=10, limits=limits, shared_memory=False, data_plane=False) as client:
+        ns_id = client.register_namespace(namespace)
+        payloads = payloads_for(spec, chain[:4])
+        with pytest.raises(grpc.RpcError) as put:
+            client.put(ns_id, chain[:4], payloads)
+        client.put(ns_id, chain[:3], payloads[:3])
+        with pytest.raises(grpc.RpcError) as get:
+            client.load(ns_id, chain[:3] + chain[:1], [np.zeros(spec.block_bytes, np.uint8) for _ in range(4)])
+        client.put(ns_id, chain[3:4], payloads[3:], parent=chain[2])
+        dsts = [np.zeros(spec.block_bytes, np.uint8) for _ in range(4)]
+        assert client.load_shm(ns_id, chain[:4], dsts).loaded_blocks == 4, "Get in calls of 3 blocks, then 1"
+        assert all(np.array_equal(d, p) for d, p in zip(dsts, payloads))
+    for error in (put.value, get.value):
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert (f"4 blocks of {spec.block_bytes} bytes in one call ({4 * spec.block_bytes} bytes) exceed "
+                f"max_transfer_bytes={3 * spec.block_bytes}; send at most 3 a call") in error.details()
+
+
+def test_max_transfer_bytes_is_read_from_the_environment_and_named_when_no_block_fits():
+    limits = ServiceLimits.from_env({"KVSTORE_MAX_TRANSFER_BYTES": "64KiB"})
+    assert limits.max_transfer_bytes == 64 << 10 and limits.transfer_blocks(9216) == 7
+    with pytest.raises(LimitExceeded, match="raise max_transfer_bytes for blocks this size"):
+        limits.check_transfer(1, 65 << 10)
+
+
 # ---- streams that stall -------------------------------------------------------------------
 
 IDLE = ServiceLimits(stream_idle_timeout_s=1.0, max_concurrent_transfers=1)

@@ -171,6 +171,17 @@ def test_a_reservation_of_a_chain_put_would_refuse_is_invalid_before_it_takes_sl
     assert staging.active() == 0
 
 
+def test_a_reservation_past_max_transfer_bytes_is_refused(store, start_server, staging, namespace, spec, chain):
+    server = start_server(store, ServiceLimits(max_transfer_bytes=2 * spec.block_bytes), staging=staging)
+    with grpc.insecure_channel(server.target) as channel:
+        stub = KVStoreStub(channel)
+        ns_id = register(stub, namespace)
+        error = rpc_error(reserve, stub, ns_id, chain[:3], spec, "tenant")
+        assert error.code() == Code.RESOURCE_EXHAUSTED and "max_transfer_bytes" in error.details()
+        assert staging.active() == 0
+        assert reserve(stub, ns_id, chain[:2], spec, "tenant").slots
+
+
 def test_reservations_per_client_are_capped_and_others_still_reserve(store, start_server, staging, namespace, spec,
                                                                      chain):
     server = start_server(store, ServiceLimits(max_reservations_per_client=2), staging=staging)
