@@ -59,6 +59,12 @@ class BlockAssembler:
         return self.num_blocks * self.block_bytes
 
     def add(self, block_index: int, offset: int, data: bytes) -> None:
+        """Take the next chunk: ``InvalidRequest`` unless it is in place and carries at least one
+        byte (an empty chunk moves nothing: ``iter_chunks`` makes none), ``LimitExceeded`` if it
+        exceeds ``max_chunk_bytes``."""
+        if not len(data):
+            raise InvalidRequest(f"{self.what}: an empty chunk at block {block_index} offset {offset}; every chunk "
+                                 "carries at least one byte")
         if len(data) > self.max_chunk_bytes:
             raise LimitExceeded(f"a chunk of {len(data)} bytes exceeds max_chunk_bytes={self.max_chunk_bytes}")
         expected = divmod(self.received, self.block_bytes)

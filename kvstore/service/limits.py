@@ -21,6 +21,11 @@ caller can tell which one to split around or raise. Defaults, and what they boun
     stream_idle_timeout_s     30.0    seconds a Get or Put stream (or the native data plane's
                                       ReadSlots) waits on its client for the next message (or to
                                       take one) before it fails DEADLINE_EXCEEDED
+    min_stream_bytes_per_s    1 MiB   a Get or Put stream's floor rate: all its waits on the client
+                                      together may exceed stream_idle_timeout_s by one second per
+                                      this many bytes moved, else it fails DEADLINE_EXCEEDED
+                                      (``StreamPace``: a client trickling a byte a message cannot
+                                      hold a transfer slot for ever)
 
 A client is what its ``kvstore-client`` metadata names (``KVStoreClient`` sends a random id per
 instance), else its connection's peer address.
@@ -28,6 +33,7 @@ instance), else its connection's peer address.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import heapq
 import math
@@ -52,6 +58,10 @@ class StreamIdle(KVStoreError):
     """A stream waited on its client longer than ``stream_idle_timeout_s`` (DEADLINE_EXCEEDED)."""
 
 
+class StreamTooSlow(StreamIdle):
+    """A stream's client moved its bytes slower than ``min_stream_bytes_per_s`` allows (``StreamPace``)."""
+
+
 @dataclass(frozen=True)
 class ServiceLimits:
     max_lookup_blocks: int = 16384
@@ -65,6 +75,7 @@ class ServiceLimits:
     max_reservations_per_client: int = 8
     max_namespaces: int = 4096
     stream_idle_timeout_s: float = 30.0
+    min_stream_bytes_per_s: int = 1 << 20
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
@@ -121,6 +132,45 @@ class ServiceLimits:
         round through the event loop, so a tiny size is raised instead of sending a byte a message."""
         floor = min(MIN_CHUNK_BYTES, self.max_chunk_bytes)
         return max(min(requested or self.max_chunk_bytes, self.max_chunk_bytes), floor)
+
+
+class StreamPace:
+    """One Get or Put stream's waits on its client, against the payload bytes it moved.
+
+    Each wait (for the client's next message, or for it to take one) may last up to
+    ``stream_idle_timeout_s`` (``StreamIdle`` past it). All the stream's waits together may exceed
+    that only by one second per ``min_stream_bytes_per_s`` bytes moved (``StreamTooSlow``, at the
+    next message): a client that trickles, a byte a message each inside the idle timeout, cannot
+    hold its transfer slot for ever. The server's own work (store loads, assembling) is not counted.
+    Used from the server's event loop only (not thread-safe).
+    """
+
+    def __init__(self, limits: ServiceLimits):
+        self._limits = limits
+        self.waited_s = 0.0
+        self.moved_bytes = 0
+
+    async def wait(self, awaitable, what: str):
+        """``await awaitable`` (a read from or a write to the client's stream), counting the wait;
+        ``StreamIdle`` (the client ``what`` for that long) past ``stream_idle_timeout_s``."""
+        timeout_s, started = self._limits.stream_idle_timeout_s, time.monotonic()
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await awaitable
+        except TimeoutError:
+            raise StreamIdle(f"stream_idle_timeout_s={timeout_s:g}: the client {what} for that long; the stream "
+                             "is ended (send or read without pausing, or split the transfer)") from None
+        finally:
+            self.waited_s += time.monotonic() - started
+
+    def moved(self, nbytes: int) -> None:
+        """Count ``nbytes`` moved; ``StreamTooSlow`` if the waits so far exceed what the bytes allow."""
+        self.moved_bytes += nbytes
+        idle_s, rate = self._limits.stream_idle_timeout_s, self._limits.min_stream_bytes_per_s
+        if self.waited_s > idle_s + self.moved_bytes / rate:
+            raise StreamTooSlow(f"min_stream_bytes_per_s={rate}: the stream waited {self.waited_s:.1f} s on its client "
+                                f"for {self.moved_bytes} bytes; waits past stream_idle_timeout_s={idle_s:g} must be "
+                                "paid for at that rate (send or read faster, or split the transfer)")
 
 
 class TransferSlots:

@@ -30,7 +30,7 @@ from kvstore.service.chunk_codec import encode_chunk
 from kvstore.service.chunks import BlockAssembler, check_block_bytes, iter_chunks
 from kvstore.service.dataplane import DataPlaneServer
 from kvstore.service.granted_slots import GrantedLoad, GrantedSlots
-from kvstore.service.limits import ClientLeases, LimitExceeded, ServiceLimits, StreamIdle, TransferSlots
+from kvstore.service.limits import ClientLeases, LimitExceeded, ServiceLimits, StreamIdle, StreamPace, TransferSlots
 from kvstore.service.metrics import ServiceMetrics
 from kvstore.service.staging import DEFAULT_RESERVATION_TTL_S, StagingArea
 from kvstore.service.v1 import kvstore_pb2 as pb
@@ -242,9 +242,11 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
                 raise
             messages = (self._get_as_loaded if request.stream_as_loaded else self._get_whole)(
                 request, hashes, spec.block_bytes, lease_id)
+            pace = StreamPace(self._limits)
             async with contextlib.aclosing(messages):  # its lease ends now, also when the client went away
                 async for message in messages:
-                    await self._with_client(context.write(message), "took no Get message")
+                    await pace.wait(context.write(message), "took no Get message")
+                    pace.moved(len(message) if isinstance(message, bytes) else 0)  # chunks come encoded
 
     async def _get_whole(self, request, hashes: list[bytes], block_bytes: int, lease_id: int | None):
         """Get's messages when every block is loaded before the first is sent (one store call)."""
@@ -334,7 +336,8 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     @translate_errors
     async def Put(self, request_iterator, context):
         with self._transfers.hold(client_of(context)):
-            header = wire.put_header(await self._with_client(anext(request_iterator, None), "sent no PutHeader"))
+            pace = StreamPace(self._limits)
+            header = wire.put_header(await pace.wait(anext(request_iterator, None), "sent no PutHeader"))
             hashes, parent = list(header.block_hashes), wire.optional(header, "parent")
             spec = self._store.spec(header.namespace_id)
             self._limits.check_transfer(len(hashes), spec.block_bytes)
@@ -342,9 +345,10 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             check_block_bytes(header.block_bytes, spec.block_bytes, "block payload", len(hashes))
             assembler = BlockAssembler(len(hashes), spec.block_bytes, self._limits.max_chunk_bytes)
             started = time.perf_counter()
-            while (message := await self._with_client(anext(request_iterator, None), "sent no chunk")) is not None:
+            while (message := await pace.wait(anext(request_iterator, None), "sent no chunk")) is not None:
                 chunk = wire.put_chunk(message)
                 assembler.add(chunk.block_index, chunk.offset, chunk.data)
+                pace.moved(len(chunk.data))
             return await self._put(header.namespace_id, hashes, assembler.finish(), parent, started)
 
     @translate_errors
@@ -381,18 +385,6 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             await self._end_lease(grant.lease_id)
             raise
         return dataclasses.replace(grant, data_grant=token, data_port=self._data_plane.port) if token else grant
-
-    async def _with_client(self, awaitable, what: str):
-        """``await awaitable`` (a read from or a write to the client's stream); ``StreamIdle`` when it
-        takes longer than ``stream_idle_timeout_s``: a stalled or vanished client frees its
-        transfer slot."""
-        timeout_s = self._limits.stream_idle_timeout_s
-        try:
-            async with asyncio.timeout(timeout_s):
-                return await awaitable
-        except TimeoutError:
-            raise StreamIdle(f"stream_idle_timeout_s={timeout_s:g}: the client {what} for that long; the stream "
-                             "is ended (send or read without pausing, or split the transfer)") from None
 
     def _lease_ended(self, lease_id: int) -> GrantedLoad | None:
         """Forget ``lease_id``; call it before the store ends the lease (the data plane's revoke
