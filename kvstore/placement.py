@@ -80,7 +80,7 @@ class PlacementMixin:
                 if self._bits(key) >> t & 1:
                     return True
                 keep = meta.parent if self._only_copy(t, meta.parent) else None
-                if (t, key) in self._placing or not self._make_room(t, meta.nbytes, keep):
+                if (t, key) in self._placing or not self._make_room(t, meta.nbytes, keep, meta.parent):
                     return False
                 self._placing.add((t, key))
             try:
@@ -103,7 +103,27 @@ class PlacementMixin:
         it and none would take it on eviction. Caller holds the lock."""
         if key is None or self._bits(key) != 1 << t:
             return False
-        return not (self.write_policy == "on_eviction" and t + 1 < len(self.tiers))
+        return not self._demotes(t)
+
+    def _demotes(self, t: int) -> bool:
+        """Whether evicting from tier ``t`` first tries to move the block to the tier below."""
+        return self.write_policy == "on_eviction" and t + 1 < len(self.tiers)
+
+    def _strands_children(self, t: int, key: bytes) -> bool:
+        """Whether dropping tier ``t``'s copy of ``key`` loses its last copy while another tier
+        holds a child of it: those children (and their descendants) would be unreachable. A
+        tier's policy offers only blocks with no children in that tier, so the other tiers are
+        asked. Caller holds the lock."""
+        return self._bits(key) == 1 << t and any(
+            policy.has_resident_children(key) for u, policy in enumerate(self._policies) if u != t)
+
+    def _evictable(self, t: int):
+        """The store's own test of a victim of tier ``t``: not leased, not being written, and not
+        the last copy of a block whose children other tiers hold (``_strands_children``; where
+        eviction demotes, ``_evict`` checks that once the demotion has failed). Caller holds the lock."""
+        guard_children = len(self.tiers) > 1 and not self._demotes(t)
+        return lambda k: (not self._leases.is_pinned(k) and k not in self._inflight
+                          and not (guard_children and self._strands_children(t, k)))
 
     def _would_loop(self, keys: set[bytes], parent: bytes | None) -> bool:
         """Whether storing ``keys`` under ``parent`` now closes a loop (``validation.closes_loop``);
@@ -145,13 +165,15 @@ class PlacementMixin:
                 self._leases.unpin([key])
                 self._bury_doomed([key])
 
-    def _make_room(self, t: int, nbytes: int, keep: bytes | None = None) -> bool:
+    def _make_room(self, t: int, nbytes: int, keep: bytes | None = None, parent: bytes | None = None) -> bool:
         """Evict victims of tier ``t`` (by its policy) until ``nbytes`` fit. False, with nothing
         more evicted, once the policy's next victim is ``keep``: the parent of the block that needs
         the room when this tier holds its only copy (``_only_copy``), a leaf until that block is
         stored. Evicting it would leave the block unreachable below it, and skipping it would let
-        a chain longer than the tier's free room push out blocks its policy values more. Caller
-        holds the lock."""
+        a chain longer than the tier's free room push out blocks its policy values more. No victim
+        goes whose loss strands resident children (``_evictable``), nor, where eviction demotes
+        and the tier below has no room for it, ``parent`` (the block needing the room is a child
+        of it). Caller holds the lock."""
         tier = self.tiers[t]
         if tier.footprint(nbytes) > tier.capacity_bytes:
             return False
@@ -160,16 +182,16 @@ class PlacementMixin:
         self._expire_leases()  # a lease past its TTL (its client died) must not keep pinning victims
         if self._drop_shadows(t, nbytes):
             return True
+        evictable = self._evictable(t)
         for helping_only in (True, False):
             victims = self._policies[t].victims(
-                lambda k: not self._leases.is_pinned(k) and k not in self._inflight
-                and (not helping_only or tier.eviction_helps(k, nbytes))
-            )
+                lambda k: evictable(k) and (not helping_only or tier.eviction_helps(k, nbytes)))
             try:
                 for victim in victims:
                     if victim == keep:
                         return False
-                    self._evict(t, victim)
+                    if not self._evict(t, victim, needed=victim == parent):
+                        continue
                     if tier.can_fit(nbytes):
                         return True
             finally:
@@ -191,27 +213,33 @@ class PlacementMixin:
                 return True
         return False
 
-    def _evict(self, t: int, key: bytes) -> None:
+    def _evict(self, t: int, key: bytes, needed: bool = False) -> bool:
+        """Remove ``key`` from tier ``t``, demoting it first where the write policy says so. False,
+        with nothing removed, when the tier below has no room for it and dropping it would strand
+        resident children, or it is ``needed`` (the parent of the block being stored). A block
+        that cannot be read for its demotion goes all the same (its chain is broken there anyway).
+        Caller holds the lock."""
         lower = t + 1
-        if self.write_policy == "on_eviction" and lower < len(self.tiers) and not self._bits(key) >> lower:
+        if self._demotes(t) and not self._bits(key) >> lower:
             meta = self.tiers[t].meta(key)
             payload = self.tiers[t].view(key)
             if payload is None and meta is not None:
                 payload = np.empty(meta.nbytes, np.uint8)
                 payload = payload if self.tiers[t].read(key, payload) else None
-            if meta is not None and payload is not None and self._place(lower, key, payload, meta):
-                self._counters[f"demotions_in:{lower}"] += 1
+            if meta is not None and payload is not None:
+                if self._place(lower, key, payload, meta):
+                    self._counters[f"demotions_in:{lower}"] += 1
+                elif needed or self._strands_children(t, key):
+                    return False
         self.tiers[t].remove(key)
         self._forget(key, t)
         self._counters[f"evictions:{t}"] += 1
+        return True
 
     def _make_room_for_shrink(self, t: int) -> bool:
-        victims = self._policies[t].victims()
+        """Evict one victim of tier ``t`` (a tier reopened with less capacity); False when none can go."""
+        victims = self._policies[t].victims(self._evictable(t))
         try:
-            victim = next(victims, None)
+            return any(self._evict(t, victim) for victim in victims)
         finally:
             victims.close()
-        if victim is None:
-            return False
-        self._evict(t, victim)
-        return True

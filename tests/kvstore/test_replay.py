@@ -45,6 +45,17 @@ def test_tier_split_reports_hits_per_tier_and_splits_capacity():
     assert result.tier_hit_tokens["disk"] > 0, "the first chain was demoted to disk and hit there"
 
 
+@pytest.mark.parametrize("write_policy", ["on_eviction", "write_through"])
+def test_a_prompt_longer_than_two_tiers_keeps_its_head_as_one_tier_does(write_policy):
+    """300 blocks sent 4 times into 195 slots split 1:3: the optimum keeps the head (582 block
+    hits). Before, the tiers broke the chain between them: LRU hit 114 (on_eviction) and 0
+    (write_through), against 585 with one tier of the same size."""
+    trace = [req(*range(300))] * 4
+    result = replay(trace, capacity_tokens=100_000, policy="lru", tiers=TierSplit.parse("host=0.25,disk=0.75"),
+                    write_policy=write_policy)
+    assert result.hit_tokens == result.optimal_hit_tokens == 582 * B
+
+
 def test_replay_is_deterministic_and_never_beats_belady():
 
     rng = random.Random(7)

@@ -238,6 +238,30 @@ def test_a_chain_longer_than_the_tier_keeps_its_head_and_stores_no_orphan(make_s
     store.check_integrity()
 
 
+@pytest.mark.parametrize("write_policy", ["on_eviction", "write_through"])
+@pytest.mark.parametrize("policy", ["lru", "hit_density", "adaptive"])
+def test_with_two_tiers_every_resident_block_of_a_long_chain_stays_reachable(make_store, namespace, spec, policy,
+                                                                             write_policy):
+    """A chain longer than both tiers, sent again and again. Before, the host dropped (or demoted)
+    a parent whose child it then stored, and the disk, counting only its own children, took that
+    parent for a leaf and evicted its last copy: the child and all after it were held but never
+    hit (a 300-block prompt sent 4 times hit 0 of 582 reachable blocks with LRU, write-through)."""
+    store = make_store(**SLOTS4, disk_bytes=8 * DISK_BLOCK, background_writes=False, policy=policy,
+                       write_policy=write_policy)
+    ns_id = store.register_namespace(namespace)
+    chain = namespace_hashes(namespace, tokens(0, 16))
+    for _ in range(4):
+        hit = store.lookup(ns_id, chain).hit_blocks
+        resident = {h for h in chain if any(tier.contains(ns_id + h) for tier in store.tiers)}
+        assert hit == len(resident), f"{len(resident) - hit} resident blocks no lookup reaches"
+        if hit:
+            result, dsts = load_all(store, ns_id, spec, chain[:hit])
+            assert result.loaded_blocks == hit
+        put_chain(store, ns_id, spec, chain)
+    assert store.lookup(ns_id, chain).hit_blocks >= 8  # the disk alone holds 8
+    store.check_integrity()
+
+
 def test_a_put_never_evicts_its_parent_and_rejects_what_would_hang_below_a_rejected_block(make_store, namespace, spec):
     """Host full, every block but one leased: the one evictable leaf is the put's own parent."""
     store = make_store(**SLOTS4, disk_bytes=None, background_writes=False)
