@@ -13,7 +13,7 @@ How each side maps onto the sidecar's calls (``KVStoreClient``), fast path chose
   where its host-tier blocks sit in the sidecar's shared memory. Those are copied straight from
   the mapping into the engine's pages (same host: one copy, no bytes through gRPC). Where the
   segment cannot be mapped (another host or container) the sidecar's native data plane streams
-  them instead (``ReadSlots``, ``max_transfer_blocks`` at a time through reused host buffers). The
+  them instead (``ReadSlots``, ``max_transfer_blocks`` (and ``max_transfer_bytes``) at a time through reused host buffers). The
   rest (disk blocks, or everything when neither works) come through ``Get`` calls of at most
   ``max_transfer_blocks`` blocks into one reused set of host buffers. Only once the slots' lease is released *successfully* (it was alive through every
   copy, so no slot was reused under us) are the layers signalled ready; if it expired meanwhile
@@ -22,7 +22,7 @@ How each side maps onto the sidecar's calls (``KVStoreClient``), fast path chose
   copies without hashing them.
 - ``save``: gathers the pages into payloads before returning (like ``StoreConnector``), then a
   background writer hands them over with ``put_shm`` (staging slots in shared memory, verified by
-  the sidecar at commit; ``Put`` where that cannot be used), at most ``max_transfer_blocks`` a call.
+  the sidecar at commit; ``Put`` where that cannot be used), at most ``max_transfer_blocks`` (and ``max_transfer_bytes``) a call.
 - ``report_prefill``: one ``ReportPrefill`` on a background thread, for the sidecar's metrics.
 
 A sidecar that is down, restarting or refusing never crashes the engine: ``lookup`` returns a
@@ -92,7 +92,7 @@ class SidecarConnector(KVConnector):
         self.read_only = read_only  # load hits but never save or demote
         self.lease_ttl_s = lease_ttl_s
         self.limits = limits
-        self._batch = limits.max_transfer_blocks
+        self._batch = limits.transfer_blocks(self.spec.block_bytes) or 1  # blocks a Put or Get may carry
         self._lower_tiers = LowerTiers([HostTier.name], self.load_timeout_s)  # the sidecar's one memory tier
         self.session = SidecarSession(self.client, namespace, self.target or "",
                                       meanwhile="the engine serves without it (misses)")

@@ -144,8 +144,10 @@ def test_an_engine_on_another_host_loads_through_the_data_plane_or_get(make_stor
     assert sidecar.store.stats().leases_active == 0
 
 
-def test_long_saves_and_loads_are_split_at_the_transfer_limit(make_store, sidecars, connectors):
-    limits = ServiceLimits(max_transfer_blocks=4, max_lookup_blocks=8)
+@pytest.mark.parametrize("limits", [ServiceLimits(max_transfer_blocks=4, max_lookup_blocks=8),
+                                    ServiceLimits(max_transfer_bytes=4 * SPEC.block_bytes + 1, max_lookup_blocks=8)],
+                         ids=["blocks", "bytes"])
+def test_long_saves_and_loads_are_split_at_the_transfer_limit(make_store, sidecars, connectors, limits):
     store = make_store()
     sidecar = sidecars(store, limits=limits)
     hashes = namespace_hashes(NS, np.arange(4 * 10))  # 10 blocks: Put and Get calls of 4 + 4 + 2
