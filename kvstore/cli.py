@@ -134,42 +134,64 @@ SWEEP_FLAGS = ("capacities", "policies", "plot", "jobs")
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
+    """Everything the flags alone can refuse is refused before the trace is read, and every
+    capacity before the first replay runs."""
     from kvstore.replay import default_capacities, replay, sweep
-    from kvstore.replay_report import check_plot_path, format_summary, format_sweep, plot_sweep, with_bytes
-    from kvstore.sizing import parse_capacity
+    from kvstore.replay_report import (check_plot_path, format_summary, format_sweep, plot_sweep, trace_fields,
+                                       trace_notes, with_bytes)
     from kvstore.trace import read_trace
 
     _check_replay_flags(args)
     if args.plot is not None:
         check_plot_path(args.plot)  # before the sweep, which can take minutes
-    options = dict(tiers=_replay_tiers(args.tiers), write_policy=args.write_policy, block_tokens=args.block_tokens)
-    requests = read_trace(args.trace, args.block_tokens)
+    tiers = _replay_tiers(args.tiers)
+    capacities = _replay_capacities(args, tiers)
+    policies = _sweep_policies(args.policies) if args.sweep else [args.policy]
+    trace = read_trace(args.trace, args.block_tokens)
+    requests = trace.requests
     if not requests:
         raise InvalidRequest(f"trace {args.trace} holds no requests")
+    for note in trace_notes(trace, args.block_tokens):
+        print(f"kvstore replay: {note}", file=sys.stderr)
+    capacities = list(dict.fromkeys(capacities or default_capacities(requests, args.block_tokens)))
+    bar = progress_bars("replaying", len(requests) * len(capacities) * len(policies), unit=" requests")
+    options = dict(tiers=tiers, write_policy=args.write_policy, block_tokens=args.block_tokens,
+                   with_optimal=not args.no_optimal, progress=bar)
     if args.sweep:
-        capacities = ([parse_capacity(c, args.model) for c in args.capacities.split(",")] if args.capacities
-                      else default_capacities(requests, args.block_tokens))
-        policies = args.policies.split(",") if args.policies else sorted(POLICIES)
-        unknown = [p for p in policies if p not in POLICIES]
-        if unknown:  # before any replay runs, not when the first of them comes up
-            raise InvalidRequest(f"--policies: unknown {', '.join(map(repr, unknown))}; "
-                                 f"give some of {', '.join(sorted(POLICIES))}")
-        bar = progress_bars("replaying", len(requests) * len(capacities) * len(policies), unit=" requests")
         jobs = args.jobs if args.jobs is not None else usable_cpus()
-        results = sweep(requests, capacities, policies, progress=bar, jobs=jobs, **options)
-        print(json.dumps([with_bytes(r.as_dict(), args.model) for r in results], indent=2) if args.json
-              else format_sweep(results, args.model))
-        if args.plot is not None:  # after the results are out, so a failing plot loses nothing
-            plot_sweep(results, args.plot, f"{os.path.basename(args.trace)}: hit rate against capacity", args.model)
-        return 0
-    if not args.capacity_tokens:
-        raise InvalidRequest("give --capacity-tokens N (e.g. 3M), or --sweep for a range of capacities")
-    bar = progress_bars("replaying", len(requests), unit=" requests")
-    result = replay(requests, parse_capacity(args.capacity_tokens, args.model), args.policy, progress=bar,
-                    with_optimal=not args.no_optimal, **options)
-    print(json.dumps(with_bytes(result.as_dict(), args.model), indent=2) if args.json
-          else format_summary(result, args.trace, args.model))
+        results = sweep(requests, capacities, policies, jobs=jobs, **options)
+    else:
+        results = [replay(requests, capacities[0], args.policy, **options)]
+    dicts = [{**with_bytes(r.as_dict(), args.model), **trace_fields(trace)} for r in results]
+    if args.json:
+        print(json.dumps(dicts if args.sweep else dicts[0], indent=2))
+    else:
+        print(format_sweep(results, args.model) if args.sweep else format_summary(results[0], args.trace, args.model))
+    if args.plot is not None:  # after the results are out, so a failing plot loses nothing
+        plot_sweep(results, args.plot, f"{os.path.basename(args.trace)}: hit rate against capacity", args.model)
     return 0
+
+
+def _replay_capacities(args: argparse.Namespace, tiers) -> list[int]:
+    """The capacities given, each checked against ``tiers``; none for a sweep over the defaults."""
+    from kvstore.replay import tier_slots
+    from kvstore.sizing import parse_capacity
+
+    texts = (args.capacities.split(",") if args.capacities else []) if args.sweep else [args.capacity_tokens]
+    capacities = [parse_capacity(text, args.model) for text in texts]
+    for capacity in capacities:
+        tier_slots(capacity, tiers, args.block_tokens)
+    return capacities
+
+
+def _sweep_policies(text: str | None) -> list[str]:
+    """``--policies`` (default: all), each once; unknown ones refused before any replay runs."""
+    policies = list(dict.fromkeys(text.split(","))) if text else sorted(POLICIES)
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        raise InvalidRequest(f"--policies: unknown {', '.join(map(repr, unknown))}; "
+                             f"give some of {', '.join(sorted(POLICIES))}")
+    return policies
 
 
 def _check_replay_flags(args: argparse.Namespace) -> None:
@@ -179,6 +201,8 @@ def _check_replay_flags(args: argparse.Namespace) -> None:
         raise InvalidRequest(f"--block-tokens must be positive, got {args.block_tokens}")
     if args.sweep and args.capacity_tokens is not None:
         raise InvalidRequest("--capacity-tokens is for one replay; with --sweep give --capacities (e.g. 1M,2M,4M)")
+    if not args.sweep and not args.capacity_tokens:
+        raise InvalidRequest("give --capacity-tokens N (e.g. 3M), or --sweep for a range of capacities")
     given = [f"--{name}" for name in SWEEP_FLAGS if getattr(args, name) is not None]
     if given and not args.sweep:
         raise InvalidRequest(f"{', '.join(given)}: only with --sweep (add --sweep for a curve over capacities)")
@@ -267,12 +291,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="on_eviction (default: victims are demoted, so the tiers hold disjoint "
                           "blocks but for promoted ones) or write_through")
     rep.add_argument("--block-tokens", type=int, default=512, help="tokens per trace block (default 512)")
-    rep.add_argument("--no-optimal", action="store_true", help="skip Belady's offline optimum")
+    rep.add_argument("--no-optimal", action="store_true", help="skip Belady's offline optimum (with --sweep too)")
     rep.add_argument("--sweep", action="store_true", help="hit rate at several capacities for each policy")
     rep.add_argument("--capacities", help="with --sweep: comma-separated capacities, tokens or bytes as for "
                                           "--capacity-tokens (default: 5%%..100%% of the footprint)")
     rep.add_argument("--policies", help="with --sweep: comma-separated policies (default: all)")
-    rep.add_argument("--plot", help="with --sweep: write the hit-rate curve to this PNG file")
+    rep.add_argument("--plot", help="with --sweep: write the hit-rate curve to this file (.png, .svg, .pdf, ...)")
     rep.add_argument("--jobs", type=int, help="with --sweep: replays run at once, one process each "
                      "(default: one per CPU this process may use)")
     rep.add_argument("--json", action="store_true", help="print JSON")

@@ -7,13 +7,18 @@ bytes), so the lookup, eviction, admission, demotion and promotion paths are the
 ones; only payload copies are skipped. Background writes are off, so a replay is deterministic.
 
 Every trace block occupies one slot of ``block_tokens`` tokens (pages are fixed-size), while hits
-count a partial last block at its real token count.
+count a partial last block at its real token count. Requests are served in the order given
+(``kvstore.trace.read_trace`` gives timestamp order).
+
+Fractions of the infinite-capacity maximum are 1.0 when that maximum is 0 (a trace with no reuse):
+every policy, and the optimum, reaches a maximum of nothing.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
+from decimal import Decimal
 from typing import Callable, Sequence
 
 import numpy as np
@@ -31,6 +36,7 @@ from kvstore.trace import TraceRequest
 # One layer of the indexer's fp8 key: the smallest real format, so replay scratch stays small.
 _COMPONENTS = ("indexer_fp8",)
 LEASE_TTL_S = 3600.0  # a replayed request loads at once; the lease only has to outlive it
+MAX_CAPACITY_TOKENS = 10**18  # beyond any cache; also keeps capacity x share within a float
 
 
 @dataclass(frozen=True)
@@ -43,14 +49,17 @@ class TierSplit:
         names = [name for name, _ in self.shares]
         if not self.shares or len(set(names)) != len(names):
             raise InvalidRequest(f"tiers need distinct names, got {names}")
-        if any(share <= 0 for _, share in self.shares) or abs(sum(s for _, s in self.shares) - 1) > 1e-6:
+        if not all(0 < share <= 1 for _, share in self.shares) or abs(sum(s for _, s in self.shares) - 1) > 1e-6:
             raise InvalidRequest(f"tier shares must be positive and sum to 1, got {self.shares}")
 
     @classmethod
     def parse(cls, text: str) -> "TierSplit":
         """``"host=0.25,disk=0.75"`` (or just ``"host"`` for one tier)."""
+        parts = text.split(",")
+        if len(parts) > 1 and not all("=" in part for part in parts):
+            raise InvalidRequest(f"tiers {text!r}: give each tier its share of the capacity, e.g. host=0.25,disk=0.75")
         shares = []
-        for part in text.split(","):
+        for part in parts:
             name, _, share = part.strip().partition("=")
             try:
                 shares.append((name.strip(), float(share) if share else 1.0))
@@ -84,7 +93,13 @@ class ReplayResult:
 
     @property
     def fraction_of_max(self) -> float:
-        return self.hit_tokens / max(self.max_hit_tokens, 1)
+        """Hit tokens over the maximum's; 1.0 when the maximum is 0."""
+        return _fraction(self.hit_tokens, self.max_hit_tokens)
+
+    @property
+    def optimal_fraction_of_max(self) -> float | None:
+        """Belady's bound over the maximum; 1.0 when the maximum is 0, None without the bound."""
+        return None if self.optimal_hit_tokens is None else _fraction(self.optimal_hit_tokens, self.max_hit_tokens)
 
     @property
     def optimal_hit_rate(self) -> float | None:
@@ -93,10 +108,13 @@ class ReplayResult:
     def as_dict(self) -> dict:
         out = asdict(self)
         out.update(hit_rate=self.hit_rate, max_hit_rate=self.max_hit_rate, fraction_of_max=self.fraction_of_max,
-                   optimal_hit_rate=self.optimal_hit_rate,
-                   optimal_fraction_of_max=None if self.optimal_hit_tokens is None
-                   else self.optimal_hit_tokens / max(self.max_hit_tokens, 1))
+                   optimal_hit_rate=self.optimal_hit_rate, optimal_fraction_of_max=self.optimal_fraction_of_max)
         return out
+
+
+def _fraction(part: int, maximum: int) -> float:
+    """``part`` of ``maximum``, 1.0 when ``maximum`` is 0 (all of nothing is reached)."""
+    return part / maximum if maximum else 1.0
 
 
 def _key(hash_id: int) -> bytes:
@@ -113,16 +131,11 @@ def replay(
     with_optimal: bool = True,
     progress: Callable[[int], None] | None = None,
 ) -> ReplayResult:
-    """Replay ``requests`` through a store of ``capacity_tokens`` split over ``tiers``."""
-    if capacity_tokens < block_tokens * len(tiers.shares):
-        raise InvalidRequest(f"capacity of {capacity_tokens} tokens is below one {block_tokens}-token block per tier")
+    """Replay ``requests``, in the order given, through a store of ``capacity_tokens`` split over
+    ``tiers``; ``InvalidRequest`` if ``tier_slots`` refuses the capacity."""
+    slots = tier_slots(capacity_tokens, tiers, block_tokens)
     namespace = Namespace("replay", "trace", 1, _COMPONENTS, block_size=block_tokens)
     spec = BlockSpec.of(namespace)
-    slots = {name: int(capacity_tokens * share) // block_tokens for name, share in tiers.shares}
-    for name, count in slots.items():
-        if count < 1:
-            raise InvalidRequest(f"the {name} tier's share of {capacity_tokens} tokens is below one "
-                                 f"{block_tokens}-token block; raise the capacity or its share")
     store = TieredStore([AccountingTier(name, n * spec.block_bytes) for name, n in slots.items()],
                         policy=policy, write_policy=write_policy, background_writes=False)
     started = time.perf_counter()
@@ -147,6 +160,22 @@ def replay(
         write_policy=write_policy,
         elapsed_s=elapsed,
     )
+
+
+def tier_slots(capacity_tokens: int, tiers: TierSplit, block_tokens: int) -> dict[str, int]:
+    """Block slots of each tier at ``capacity_tokens``; ``InvalidRequest`` unless every tier gets
+    at least one and the capacity is at most ``MAX_CAPACITY_TOKENS``."""
+    if capacity_tokens > MAX_CAPACITY_TOKENS:
+        raise InvalidRequest(f"a capacity of {Decimal(capacity_tokens):.3g} tokens is above 10**18, more than any "
+                             "cache holds; check the number")
+    if capacity_tokens < block_tokens * len(tiers.shares):
+        raise InvalidRequest(f"capacity of {capacity_tokens} tokens is below one {block_tokens}-token block per tier")
+    slots = {name: int(capacity_tokens * share) // block_tokens for name, share in tiers.shares}
+    for name, count in slots.items():
+        if count < 1:
+            raise InvalidRequest(f"the {name} tier's share of {capacity_tokens} tokens is below one "
+                                 f"{block_tokens}-token block; raise the capacity or its share")
+    return slots
 
 
 def _serve_all(store: TieredStore, ns_id: bytes, spec: BlockSpec, requests: Sequence[TraceRequest],
@@ -177,20 +206,28 @@ def _serve_all(store: TieredStore, ns_id: bytes, spec: BlockSpec, requests: Sequ
 
 def sweep(requests: Sequence[TraceRequest], capacities: Sequence[int], policies: Sequence[str],
           block_tokens: int = 512, progress: Callable[[int], None] | None = None, jobs: int = 1,
-          **kw) -> list[ReplayResult]:
+          tiers: TierSplit = TierSplit(), with_optimal: bool = True, **kw) -> list[ReplayResult]:
     """``replay`` at every capacity for every policy, capacity by capacity, policies in the order
-    given (the optimum is computed once per capacity). With ``jobs`` > 1 the replays run in that
-    many worker processes (``kvstore.replay_workers``), with the same results but for their
-    ``elapsed_s`` (a replay is deterministic); policies are then given by name, and ``progress``
-    moves by one whole replay at a time."""
+    given, each once (the optimum is computed once per capacity, unless ``with_optimal`` is
+    False). Every capacity is checked (``tier_slots``) before the first replay runs. With ``jobs``
+    > 1 the replays run in that many worker processes (``kvstore.replay_workers``), with the same
+    results but for their ``elapsed_s`` (a replay is deterministic); policies are then given by
+    name, and ``progress`` moves by one whole replay at a time."""
     if jobs < 1:
         raise InvalidRequest(f"jobs must be at least 1, got {jobs}")
-    runs = [(capacity, policy, first == 0) for capacity in capacities for first, policy in enumerate(policies)]
+    capacities, policies = list(dict.fromkeys(capacities)), list(dict.fromkeys(policies))
+    for capacity in capacities:
+        tier_slots(capacity, tiers, block_tokens)
+    runs = [(capacity, policy, with_optimal and first == 0)
+            for capacity in capacities for first, policy in enumerate(policies)]
+    kw.update(block_tokens=block_tokens, tiers=tiers)
     if jobs == 1 or len(runs) < 2:
-        results = [replay(requests, capacity, policy, block_tokens=block_tokens, with_optimal=with_optimal,
-                          progress=progress, **kw) for capacity, policy, with_optimal in runs]
+        results = [replay(requests, capacity, policy, with_optimal=optimal, progress=progress, **kw)
+                   for capacity, policy, optimal in runs]
     else:
-        results = replay_in_processes(requests, runs, jobs, dict(block_tokens=block_tokens, **kw), progress)
+        results = replay_in_processes(requests, runs, jobs, kw, progress)
+    if not with_optimal:
+        return results
     optimal = {r.capacity_tokens: r.optimal_hit_tokens for r in results if r.optimal_hit_tokens is not None}
     return [r if r.optimal_hit_tokens is not None else _with_optimal(r, optimal[r.capacity_tokens]) for r in results]
 

@@ -11,6 +11,7 @@ from typing import Sequence
 from kvstore.errors import InvalidRequest
 from kvstore.replay import ReplayResult
 from kvstore.sizing import bytes_per_token, format_bytes, smallest_capacity_reaching
+from kvstore.trace import Trace
 
 SIZING_FRACTIONS = (0.5, 0.75, 0.9)  # of the infinite-capacity maximum
 
@@ -34,39 +35,73 @@ def with_bytes(fields: dict, model: str | None) -> dict:
             "tier_capacity_bytes": {name: n * per_token for name, n in fields["tier_capacity_tokens"].items()}}
 
 
+def trace_fields(trace: Trace) -> dict:
+    """What reading the trace found, as JSON fields next to a result's."""
+    return {"reordered_requests": trace.reordered_requests, "unhashed_tail_requests": trace.unhashed_tail_requests}
+
+
+def trace_notes(trace: Trace, block_tokens: int) -> list[str]:
+    """One line for each thing reading the trace changed or found (none for a plain trace)."""
+    notes = []
+    if trace.reordered_requests:
+        notes.append(f"{_requests(trace.reordered_requests, 'was', 'were')} out of timestamp order; "
+                     "replayed in timestamp order")
+    if trace.unhashed_tail_requests:
+        notes.append(f"{_requests(trace.unhashed_tail_requests, 'has', 'have')} an unhashed tail (input_length "
+                     f"beyond hash ids x {block_tokens} tokens); those tails count as input tokens and are never hit")
+    return notes
+
+
+def _requests(n: int, one: str, many: str) -> str:
+    return f"1 request {one}" if n == 1 else f"{n} requests {many}"
+
+
 def format_summary(result: ReplayResult, trace: str, model: str | None = None) -> str:
-    split = ", ".join(f"{name} {capacity(n, model)}" for name, n in result.tier_capacity_tokens.items())
     lines = [
         f"trace {trace}: {result.requests} requests, {tokens(result.input_tokens)} input tokens",
-        f"policy {result.policy}, capacity {capacity(result.capacity_tokens, model)} tokens"
-        + (f" of {model} KV" if model else "") + f" ({split}), write policy {result.write_policy}",
+        f"policy {result.policy}, capacity {_capacity_line(result, model)}, write policy {result.write_policy}",
         f"  token hit rate          {result.hit_rate:7.2%}",
         f"  infinite-capacity max   {result.max_hit_rate:7.2%}",
         f"  fraction of max         {result.fraction_of_max:7.2%}",
     ]
     if result.optimal_hit_rate is not None:
         lines.append(f"  Belady bound            {result.optimal_hit_rate:7.2%} "
-                     f"({result.optimal_hit_tokens / max(result.max_hit_tokens, 1):.2%} of max)")
+                     f"({result.optimal_fraction_of_max:.2%} of max)")
     lines.append("  hits by tier: " + ", ".join(f"{n} {tokens(t)} tokens" for n, t in result.tier_hit_tokens.items()))
     lines.append(f"  replayed in {result.elapsed_s:.1f} s")
     return "\n".join(lines)
 
 
+def _capacity_line(result: ReplayResult, model: str | None) -> str:
+    """``"3.00M tokens (host 750.0k, disk 2.25M)"``; with ``model``,
+    ``"223.4k tokens (10.0 GiB of deepseek-v3.2 KV; host 223.4k tokens, 10.0 GiB)"``."""
+    if model is None:
+        split = ", ".join(f"{name} {tokens(n)}" for name, n in result.tier_capacity_tokens.items())
+        return f"{tokens(result.capacity_tokens)} tokens ({split})"
+    per_token = bytes_per_token(model)
+    split = "; ".join(f"{name} {tokens(n)} tokens, {format_bytes(n * per_token)}"
+                      for name, n in result.tier_capacity_tokens.items())
+    return (f"{tokens(result.capacity_tokens)} tokens ({format_bytes(result.capacity_tokens * per_token)} of "
+            f"{model} KV; {split})")
+
+
 def format_sweep(results: Sequence[ReplayResult], model: str | None = None) -> str:
-    """Rows: capacities; columns: each policy's hit rate (and fraction of max), then Belady; then
-    the sizing table (``format_sizing``)."""
+    """Rows: capacities; columns: each policy's hit rate (and fraction of max), then Belady where
+    it was computed; then the sizing table (``format_sizing``)."""
     policies = list(dict.fromkeys(r.policy for r in results))
     by_capacity: dict[int, dict[str, ReplayResult]] = {}
     for r in results:
         by_capacity.setdefault(r.capacity_tokens, {})[r.policy] = r
+    with_optimal = any(r.optimal_hit_tokens is not None for r in results)
     width = 10 if model is None else 24
-    header = f"{'capacity':>{width}}" + "".join(f"{p:>22}" for p in policies) + f"{'belady':>22}"
+    columns = policies + (["belady"] if with_optimal else [])
+    header = f"{'capacity':>{width}}" + "".join(f"{name:>22}" for name in columns)
     lines = ["token hit rate (fraction of the infinite-capacity max)", header]
     for size, row in sorted(by_capacity.items()):
         first = next(iter(row.values()))
         cells = [f"{row[p].hit_rate:>12.2%} ({row[p].fraction_of_max:>6.1%})" for p in policies]
-        optimal = first.optimal_hit_tokens or 0
-        cells.append(f"{optimal / max(first.input_tokens, 1):>12.2%} ({optimal / max(first.max_hit_tokens, 1):>6.1%})")
+        if with_optimal:
+            cells.append(f"{first.optimal_hit_rate:>12.2%} ({first.optimal_fraction_of_max:>6.1%})")
         lines.append(f"{capacity(size, model):>{width}}" + "".join(f"{c:>22}" for c in cells))
     first = results[0]
     lines.append(f"infinite-capacity max: {first.max_hit_rate:.2%} of input tokens")
@@ -75,11 +110,14 @@ def format_sweep(results: Sequence[ReplayResult], model: str | None = None) -> s
 
 def format_sizing(results: Sequence[ReplayResult], model: str | None = None) -> str:
     """For each fraction of the maximum in ``SIZING_FRACTIONS``: the least capacity measured that
-    keeps it, per policy and for Belady's bound (what no policy can beat: ``kvstore.belady``)."""
+    keeps it, per policy and for Belady's bound where it was computed (what no policy can beat:
+    ``kvstore.belady``)."""
     policies = list(dict.fromkeys(r.policy for r in results))
     curves = {p: [(r.capacity_tokens, r.fraction_of_max) for r in results if r.policy == p] for p in policies}
-    curves["belady"] = sorted({(r.capacity_tokens, r.optimal_hit_tokens / max(r.max_hit_tokens, 1))
-                               for r in results if r.optimal_hit_tokens is not None})
+    optimal = sorted({(r.capacity_tokens, r.optimal_fraction_of_max)
+                      for r in results if r.optimal_hit_tokens is not None})
+    if optimal:
+        curves["belady"] = optimal
     width = 12 if model is None else 26
     lines = ["capacity to keep a fraction of the max (the least measured that does; the exact one can be "
              "smaller, down to the next capacity measured)", f"{'of max':>8}" + "".join(f"{name:>{width}}" for name in curves)]
@@ -94,9 +132,11 @@ def format_sizing(results: Sequence[ReplayResult], model: str | None = None) -> 
 
 def check_plot_path(path: str) -> None:
     """Raise ``InvalidRequest`` unless ``plot_sweep`` could write ``path`` (its directory exists and
-    is writable, and matplotlib knows its format); writes nothing."""
+    is writable, and its name ends in a format matplotlib knows); writes nothing."""
+    if not path:
+        raise InvalidRequest("--plot needs a file name, such as curve.png")
     directory = os.path.dirname(os.path.abspath(path))
-    if not path or os.path.isdir(path):
+    if os.path.isdir(path):
         raise InvalidRequest(f"cannot plot to {path!r}: it is a directory; give a file such as curve.png")
     if not os.path.isdir(directory):
         raise InvalidRequest(f"cannot plot to {path}: the directory {directory} does not exist")
@@ -104,7 +144,10 @@ def check_plot_path(path: str) -> None:
         raise InvalidRequest(f"cannot plot to {path}: the directory {directory} is not writable")
     suffix = os.path.splitext(path)[1][1:].lower()
     formats = _plot_formats()
-    if suffix and suffix not in formats:
+    if not suffix:
+        raise InvalidRequest(f"cannot plot to {path}: give the file an extension naming its format, such as "
+                             ".png, .svg or .pdf")
+    if suffix not in formats:
         raise InvalidRequest(f"cannot plot to {path}: unknown format {suffix!r}; known: {', '.join(sorted(formats))}")
 
 
@@ -115,8 +158,8 @@ def _plot_formats() -> set[str]:
 
 
 def plot_sweep(results: Sequence[ReplayResult], path: str, title: str, model: str | None = None) -> None:
-    """Hit rate against capacity, one line per policy, Belady dashed, the max as a ceiling; with
-    ``model``, a second capacity axis in GiB of its KV."""
+    """Hit rate against capacity, one line per policy, Belady dashed (if computed), the max as a
+    ceiling; with ``model``, a second capacity axis in GiB of its KV."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -127,7 +170,9 @@ def plot_sweep(results: Sequence[ReplayResult], path: str, title: str, model: st
         points = sorted((r.capacity_tokens, r.hit_rate) for r in results if r.policy == policy)
         ax.plot([c / 1e6 for c, _ in points], [h * 100 for _, h in points], marker="o", label=policy)
     optimal = sorted({(r.capacity_tokens, r.optimal_hit_rate) for r in results if r.optimal_hit_rate is not None})
-    ax.plot([c / 1e6 for c, _ in optimal], [h * 100 for _, h in optimal], "k--", marker="x", label="Belady (offline bound)")
+    if optimal:
+        ax.plot([c / 1e6 for c, _ in optimal], [h * 100 for _, h in optimal], "k--", marker="x",
+                label="Belady (offline bound)")
     ax.axhline(results[0].max_hit_rate * 100, color="grey", linestyle=":", label="infinite capacity")
     ax.set_xlabel("cache capacity (million tokens)")
     if model is not None:

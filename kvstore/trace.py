@@ -4,16 +4,28 @@
 
 ``hash_ids`` are chained prefix block ids (two requests share an id exactly when they share that
 whole prefix), ``block_tokens`` tokens per block (512 in the published traces). The last block
-of a prompt may be partial: ``input_length`` is the true token count.
+of a prompt may be partial: ``input_length`` is the true token count. Tokens past the last id's
+block (``input_length > len(hash_ids) * block_tokens``, as from generators that hash only whole
+blocks) are an unhashed tail: input tokens that no cache could hold, so never hit.
+
+A file is UTF-8 text (a byte-order mark is skipped), gzip-compressed or not. Its requests are
+replayed in timestamp order: ``read_trace`` sorts them when the file is out of order.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
+import math
+import zlib
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from operator import attrgetter
+from typing import IO, Iterable, Iterator
 
 from kvstore.errors import InvalidRequest
+
+_GZIP_MAGIC = b"\x1f\x8b"
+_BOM = "\ufeff"
 
 
 @dataclass(frozen=True)
@@ -24,13 +36,25 @@ class TraceRequest:
     hash_ids: tuple[int, ...]
 
     def block_tokens(self, index: int, block_tokens: int) -> int:
-        """Real token count of block ``index`` (only the last one may be partial)."""
+        """Real token count of block ``index``: ``block_tokens`` but for a partial last block (an
+        unhashed tail past the last block is no block's: it never counts here)."""
         if index < len(self.hash_ids) - 1:
             return block_tokens
-        return self.input_length - block_tokens * (len(self.hash_ids) - 1)
+        return min(block_tokens, self.input_length - block_tokens * (len(self.hash_ids) - 1))
+
+
+@dataclass(frozen=True)
+class Trace:
+    """A trace as read: its requests in timestamp order (equal timestamps in file order), and
+    what reading it found."""
+
+    requests: list[TraceRequest]
+    reordered_requests: int = 0  # requests stamped earlier than one before them in the file
+    unhashed_tail_requests: int = 0  # requests with tokens past their last id's block
 
 
 def parse_request(obj: dict, block_tokens: int, where: str) -> TraceRequest:
+    """One trace line's object as a request; ``InvalidRequest`` naming ``where`` if it is none."""
     if not isinstance(obj, dict):
         raise InvalidRequest(f"{where}: not a trace request (a JSON {type(obj).__name__}); expected an object "
                              "with keys input_length and hash_ids")
@@ -42,14 +66,16 @@ def parse_request(obj: dict, block_tokens: int, where: str) -> TraceRequest:
                                _integer(obj.get("output_length", 0)), tuple(_integer(h) for h in hash_ids))
     except (KeyError, TypeError, ValueError) as exc:
         raise InvalidRequest(f"{where}: not a trace request ({exc!r}); expected keys input_length and hash_ids") from None
+    if not math.isfinite(request.timestamp):
+        raise InvalidRequest(f"{where}: timestamp must be a finite number, got {request.timestamp}")
     blocks = len(request.hash_ids)
     if request.input_length < 0 or any(not 0 <= h < 1 << 128 for h in request.hash_ids):
         raise InvalidRequest(f"{where}: input_length must be non-negative and hash_ids in [0, 2**128)")
-    if blocks and not block_tokens * (blocks - 1) < request.input_length <= block_tokens * blocks:
+    if blocks and request.input_length <= block_tokens * (blocks - 1):
         raise InvalidRequest(
-            f"{where}: {blocks} blocks of {block_tokens} tokens cannot hold input_length {request.input_length}; "
-            f"is --block-tokens right?"
-        )
+            f"{where}: input_length {request.input_length} leaves the last of {blocks} hash ids without a token at "
+            f"{block_tokens} tokens a block (they need more than {block_tokens * (blocks - 1)}); check that "
+            f"--block-tokens ({block_tokens}) is the trace's block size")
     return request
 
 
@@ -62,27 +88,71 @@ def _integer(value) -> int:
     return int(value)
 
 
-def read_trace(path: str, block_tokens: int = 512) -> list[TraceRequest]:
-    """Every request of a JSONL trace; a malformed line raises ``InvalidRequest`` naming it."""
+def read_trace(path: str, block_tokens: int = 512) -> Trace:
+    """Every request of a JSONL trace (gzip or not), in timestamp order. A malformed line raises
+    ``InvalidRequest`` naming the file and line; a damaged gzip file names the file."""
     try:
-        with open(path) as f:
-            return list(_parse_lines(f, block_tokens, path))
+        with _open(path) as f:
+            return _in_time_order(list(_parse_lines(f, block_tokens, path)), block_tokens)
     except FileNotFoundError:
         raise InvalidRequest(f"trace file {path} does not exist") from None
+    except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
+        raise InvalidRequest(f"{path}: damaged gzip data ({exc}); check it with gzip -t") from None
 
 
-def _parse_lines(lines: Iterable[str], block_tokens: int, path: str) -> Iterator[TraceRequest]:
+def _open(path: str) -> IO[bytes]:
+    """``path`` for reading bytes, decompressed if it is gzip (known by its magic, not its name)."""
+    with open(path, "rb") as f:
+        compressed = f.read(2) == _GZIP_MAGIC
+    return gzip.open(path, "rb") if compressed else open(path, "rb")
+
+
+def _parse_lines(lines: Iterable[bytes], block_tokens: int, path: str) -> Iterator[TraceRequest]:
     chains = ChainCheck()
-    for number, line in enumerate(lines, 1):
+    for number, raw in enumerate(lines, 1):
+        where = f"{path}:{number}"
+        line = _text(raw, where)
+        if number == 1:
+            line = line.removeprefix(_BOM)
         if not line.strip():
             continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise InvalidRequest(f"{path}:{number}: not JSON ({exc.msg})") from None
-        request = parse_request(obj, block_tokens, f"{path}:{number}")
-        chains.check(request.hash_ids, f"{path}:{number}")
+        request = parse_request(_json(line, where), block_tokens, where)
+        chains.check(request.hash_ids, where)
         yield request
+
+
+def _text(raw: bytes, where: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidRequest(f"{where}: not UTF-8 text (byte {raw[exc.start]:#04x} at column {exc.start + 1}); "
+                             "save the trace as UTF-8") from None
+
+
+def _json(line: str, where: str) -> object:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise InvalidRequest(f"{where}: not JSON ({exc.msg})") from None
+    except ValueError as exc:  # json's limit on integer digits
+        raise InvalidRequest(f"{where}: a number too large to read ({exc.args[0].split(':')[0]}); "
+                             "hash_ids must be in [0, 2**128)") from None
+    except RecursionError:
+        raise InvalidRequest(f"{where}: not a trace request (JSON nested too deeply)") from None
+
+
+def _in_time_order(requests: list[TraceRequest], block_tokens: int) -> Trace:
+    """``requests`` sorted stably by timestamp (a list already in order is kept as it is)."""
+    reordered, latest = 0, -math.inf
+    for request in requests:
+        if request.timestamp < latest:
+            reordered += 1
+        else:
+            latest = request.timestamp
+    if reordered:
+        requests.sort(key=attrgetter("timestamp"))
+    tails = sum(1 for r in requests if r.input_length > block_tokens * len(r.hash_ids))
+    return Trace(requests, reordered, tails)
 
 
 class ChainCheck:

@@ -11,7 +11,7 @@ import pytest
 from kvstore.errors import InvalidRequest
 from kvstore.policies import DEFAULT_POLICY
 from kvstore.replay import TierSplit, default_capacities, replay, sweep
-from kvstore.replay_report import format_summary, format_sweep
+from kvstore.replay_report import format_summary, format_sizing, format_sweep
 from kvstore.trace import TraceRequest, write_trace
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -88,8 +88,8 @@ def test_a_sweep_in_worker_processes_gives_what_one_process_gives():
 
 
 def test_a_replay_failing_in_a_worker_fails_the_sweep():
-    with pytest.raises(InvalidRequest, match="below one"):
-        sweep([req(1), req(1)], [4 * B, B // 2], ["lru"], jobs=2)
+    with pytest.raises(InvalidRequest, match="unknown eviction policy 'nope'"):
+        sweep([req(1), req(1)], [4 * B], ["lru", "nope"], jobs=2)
     with pytest.raises(InvalidRequest, match="jobs must be at least 1"):
         sweep([req(1)], [4 * B], ["lru"], jobs=0)
 
@@ -160,3 +160,132 @@ def test_lru_split_over_two_tiers_hits_as_much_as_one_tier_of_the_same_size():
     split = replay(trace, 60 * B, "lru", TierSplit.parse("host=0.25,disk=0.75"), with_optimal=False)
     assert split.tier_hit_tokens["disk"] > 0 and split.tier_hit_tokens["host"] > 0
     assert split.hit_tokens >= 0.98 * single.hit_tokens, (split.hit_tokens, single.hit_tokens)
+
+
+def test_an_unhashed_tail_counts_as_input_and_is_never_hit():
+    """1500 tokens over 2 ids: the 476 tokens past block 2 have no id. Before, a repeat hit 1500
+    tokens (the last block counted 988); now 1024, and the maximum and the bound agree."""
+    result = replay([req(1, 2, tokens=1500)] * 2, capacity_tokens=10 * B)
+    assert (result.input_tokens, result.hit_tokens, result.max_hit_tokens, result.optimal_hit_tokens) == (
+        3000, 2 * B, 2 * B, 2 * B)
+
+
+def test_with_no_reuse_every_policy_reaches_all_of_the_maximum():
+    """The maximum is 0; before, fraction_of_max was 0.0 and the sizing said 'not reached'."""
+    results = sweep([req(1, 2), req(3, 4)], [B, 8 * B], ["lru"])
+    assert all(r.max_hit_tokens == 0 and r.fraction_of_max == r.optimal_fraction_of_max == 1.0 for r in results)
+    assert "not reached" not in format_sizing(results) and "(100.00% of max)" in format_summary(results[0], "t")
+
+
+@pytest.mark.parametrize("capacities, tiers, message", [
+    ([4 * B, B // 2], "host", "capacity of 256 tokens is below one 512-token block per tier"),
+    ([64 * B, 4 * B], "host=0.9,disk=0.1", "the disk tier's share of 2048 tokens is below one 512-token block"),
+    ([4 * B, 10**400], "host", "capacity of 1.00e.400 tokens is above 10..18"),
+])
+def test_a_sweep_checks_every_capacity_before_the_first_replay(monkeypatch, capacities, tiers, message):
+    """Before, the bad capacity failed only when its replay came up, losing the finished ones."""
+    import kvstore.replay
+
+    monkeypatch.setattr(kvstore.replay, "replay", lambda *a, **kw: pytest.fail("a replay ran"))
+    with pytest.raises(InvalidRequest, match=message):
+        sweep([req(1)], capacities, ["lru"], tiers=TierSplit.parse(tiers))
+
+
+def test_a_sweep_replays_a_repeated_capacity_or_policy_once():
+    results = sweep([req(1, 2), req(1, 2)], [2 * B, 2 * B, 4 * B], ["lru", "lru"])
+    assert [(r.capacity_tokens, r.policy) for r in results] == [(2 * B, "lru"), (4 * B, "lru")]
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_a_sweep_without_the_optimum_shows_no_belady(jobs):
+    """Before, sweep had no with_optimal: Belady was always computed (--no-optimal was ignored)."""
+    results = sweep([req(1, 2), req(1, 2), req(3)], [B, 4 * B], ["lru", "adaptive"], jobs=jobs, with_optimal=False)
+    assert len(results) == 4 and all(r.optimal_hit_tokens is None for r in results)
+    assert "belady" not in format_sweep(results) and results[-1].hit_tokens == 2 * B
+
+
+@pytest.mark.parametrize("text, message", [
+    ("host=nan,disk=0.5", "tier shares must be positive and sum to 1"),
+    ("host,disk", "tiers 'host,disk': give each tier its share of the capacity, e.g. host=0.25,disk=0.75"),
+])
+def test_tier_shares_that_are_not_numbers_or_missing_are_refused_with_a_hint(text, message):
+    """Before: NaN raised ValueError from int(); 'host,disk' got no hint of the form."""
+    with pytest.raises(InvalidRequest, match=message):
+        TierSplit.parse(text)
+
+
+def test_a_capacity_no_float_can_split_is_refused():
+    """Before: OverflowError from capacity x share."""
+    with pytest.raises(InvalidRequest, match=r"a capacity of 1.00e\+400 tokens is above 10\*\*18"):
+        replay([req(1)], capacity_tokens=10**400)
+
+
+def test_the_summary_with_a_model_reads_tokens_then_bytes():
+    result = replay([req(1), req(1)], 4000, tiers=TierSplit.parse("host=0.5,disk=0.5"))
+    assert ("capacity 4.0k tokens (183.4 MiB of deepseek-v3.2 KV; host 1.5k tokens, 70.4 MiB; disk 1.5k tokens, "
+            "70.4 MiB), write policy on_eviction") in format_summary(result, "t", "deepseek-v3.2")
+    assert "capacity 4.0k tokens (host 1.5k, disk 1.5k), write policy" in format_summary(result, "t")
+
+
+def _main(capsys, *args):
+    from kvstore.cli import main
+
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_replays_an_unordered_trace_in_timestamp_order_and_says_so(capsys, tmp_path):
+    """Before, file order, silently: the shuffled trace hit less than the ordered one."""
+    rng = random.Random(5)
+    requests = [TraceRequest(float(i), B * 3, 0, (c * 10, c * 10 + 1, c * 10 + 2))
+                for i, c in enumerate(rng.choices(range(8), k=200))]
+    ordered, shuffled = tmp_path / "ordered.jsonl", tmp_path / "shuffled.jsonl"
+    write_trace(str(ordered), requests)
+    write_trace(str(shuffled), rng.sample(requests, len(requests)))
+    answers = [_main(capsys, "replay", str(path), "--capacity-tokens", "6k", "--policy", "lru", "--json")
+               for path in (ordered, shuffled)]
+    (code, out, err), (code2, out2, err2) = answers
+    assert (code, code2, err) == (0, 0, "")
+    moved = json.loads(out2)["reordered_requests"]
+    assert 0 < moved < 200 and err2 == f"kvstore replay: {moved} requests were out of timestamp order; replayed " \
+        "in timestamp order\n"
+    assert json.loads(out)["reordered_requests"] == 0
+    assert json.loads(out2)["hit_tokens"] == json.loads(out)["hit_tokens"]
+
+
+def test_cli_counts_unhashed_tails_once(capsys, tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"input_length": 1500, "hash_ids": [1, 2]}\n' * 3)
+    code, out, err = _main(capsys, "replay", str(path), "--capacity-tokens", "2k", "--json")
+    assert code == 0 and json.loads(out)["unhashed_tail_requests"] == 3 and json.loads(out)["hit_tokens"] == 4 * B
+    assert err.count("\n") == 1 and "3 requests have an unhashed tail (input_length beyond hash ids x 512" in err
+
+
+def test_cli_sweep_honours_no_optimal(capsys, tmp_path):
+    path = tmp_path / "t.jsonl"
+    write_trace(str(path), [req(1, 2), req(1, 2)])
+    code, out, err = _main(capsys, "replay", str(path), "--sweep", "--capacities", "2k,2k", "--policies", "lru",
+                           "--no-optimal", "--json")
+    assert code == 0, err
+    assert [(r["capacity_tokens"], r["optimal_hit_tokens"]) for r in json.loads(out)] == [(2000, None)]
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--capacity-tokens", "2k"), "not UTF-8 text (byte 0xe9"),
+    ((), "give --capacity-tokens N (e.g. 3M), or --sweep"),
+    (("--sweep", "--capacities", "1M,500"), "capacity of 500 tokens is below one 512-token block per tier"),
+    (("--capacity-tokens", "1e400"), "a capacity of 1.00e+400 tokens is above 10**18"),
+    (("--capacity-tokens", "2k", "--tiers", "host=nan,disk=0.5"), "tier shares must be positive"),
+    (("--sweep", "--plot", "curve"), "cannot plot to curve: give the file an extension naming its format"),
+    (("--sweep", "--plot", ""), "--plot needs a file name, such as curve.png"),
+])
+def test_cli_refuses_bad_input_in_one_line_exit_2(capsys, tmp_path, monkeypatch, args, message):
+    """Each was a traceback, a late refusal or a misleading one before. The trace has a non-UTF-8
+    byte on line 2: refusals about flags come before it is read."""
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(b'{"input_length": 5, "hash_ids": [9]}\n{"input_length": 5, "hash_ids": [9], "x": "\xe9"}\n')
+    code, out, err = _main(capsys, "replay", str(path), *args)
+    assert (code, out) == (2, "") and err.startswith("kvstore replay: ") and err.count("\n") == 1
+    assert message in err
