@@ -177,7 +177,7 @@ def test_replay_with_a_model_takes_and_shows_capacities_in_bytes(capsys, trace):
     assert result["capacity_tokens"] == 4000 and result["capacity_bytes"] == 4000 * per_token
     assert result["tier_capacity_bytes"] == {"host": result["tier_capacity_tokens"]["host"] * per_token}
     code, out, err = run_main(capsys, "replay", trace, "--capacity-tokens", "4k", "--model", "deepseek-v3.2")
-    assert code == 0 and "capacity 4.0k (183.4 MiB) tokens of deepseek-v3.2 KV" in out
+    assert code == 0 and "capacity 4.0k tokens (183.4 MiB of deepseek-v3.2 KV" in out
 
 
 def test_a_sweep_says_what_capacity_keeps_each_fraction_of_the_max(capsys, trace):
