@@ -106,8 +106,17 @@ class _Demo:
         self._temporary_dir = cfg.data_dir is None and not cfg.sidecar  # made here, removed by ``close``
         self.data_dir = tempfile.mkdtemp(prefix="kvstore-demo-") if self._temporary_dir else cfg.data_dir
         self.rng = torch.Generator().manual_seed(cfg.seed + 1)
-        self.store = None if cfg.sidecar else self._open_store()
-        self.connector = self._connect()
+        self.store = None
+        try:
+            if not cfg.sidecar:
+                self.store = self._open_store()
+            self.connector = self._connect()
+        except BaseException:  # no demo to close: undo what was set up here
+            if self.store is not None:
+                self.store.close()
+            if self._temporary_dir:
+                shutil.rmtree(self.data_dir, ignore_errors=True)
+            raise
 
     def _connect(self) -> KVConnector:
         if self.cfg.sidecar:

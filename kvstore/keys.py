@@ -27,7 +27,7 @@ import numbers
 import threading
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
-from typing import Sequence
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 import xxhash
@@ -104,28 +104,36 @@ class Namespace:
         return cls(**json.loads(text))
 
 
-def _sequence(name: str, value, what: str) -> Sequence:
-    """``value`` if it is a list or tuple, else ``InvalidRequest`` saying ``Namespace.name`` must be ``what``."""
-    if not isinstance(value, (list, tuple)):
+def _items(name: str, value, what: str) -> tuple:
+    """The items of ``value``, any iterable but a string, bytes or a mapping (a mapping's items
+    for ``extra``), as a tuple; else ``InvalidRequest`` saying ``Namespace.name`` must be ``what``."""
+    if isinstance(value, Mapping) and name == "extra":
+        value = value.items()
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
         raise InvalidRequest(f"Namespace.{name} must be {what}, got {value!r:.80}")
-    return value
+    return tuple(value)
 
 
 def _strings(name: str, value) -> tuple[str, ...]:
-    """``value``, a list or tuple of strings, as a tuple; else ``InvalidRequest`` naming ``Namespace.name``."""
-    items = tuple(_sequence(name, value, "a list of strings"))
+    """``value``, an iterable of strings, as a tuple; else ``InvalidRequest`` naming ``Namespace.name``."""
+    items = _items(name, value, "a list of strings")
     if not all(isinstance(item, str) for item in items):
         raise InvalidRequest(f"Namespace.{name} must be a list of strings, got {value!r:.80}")
     return items
 
 
-def _pairs(name: str, value) -> tuple[tuple[str, str], ...]:
-    """``value``, a list or tuple of [key, value] string pairs, as tuples; else ``InvalidRequest``."""
+def _pairs(name: str, value) -> tuple[tuple, ...]:
+    """``value``, [key, value] pairs (or a mapping), as tuples: string keys, and values that are
+    strings or, as namespaces written before these checks could hold, JSON numbers or booleans
+    (their ids stay the same; the gRPC Namespace message carries strings only). Else ``InvalidRequest``."""
     what = "a list of [key, value] pairs of strings"
-    pairs = tuple(tuple(_sequence(name, pair, what)) for pair in _sequence(name, value, what))
-    if not all(len(pair) == 2 and all(isinstance(item, str) for item in pair) for pair in pairs):
+    pairs = tuple(_items(name, pair, what) for pair in _items(name, value, what))
+    if not all(len(pair) == 2 and isinstance(pair[0], str) and isinstance(pair[1], _EXTRA_VALUES) for pair in pairs):
         raise InvalidRequest(f"Namespace.{name} must be {what}, got {value!r:.80}")
     return pairs
+
+
+_EXTRA_VALUES = (str, int, float, bool)
 
 
 def config_hash(config: dict) -> str:

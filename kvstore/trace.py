@@ -14,6 +14,7 @@ replayed in timestamp order: ``read_trace`` sorts them when the file is out of o
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import math
@@ -100,11 +101,16 @@ def read_trace(path: str, block_tokens: int = 512) -> Trace:
         raise InvalidRequest(f"{path}: damaged gzip data ({exc}); check it with gzip -t") from None
 
 
-def _open(path: str) -> IO[bytes]:
-    """``path`` for reading bytes, decompressed if it is gzip (known by its magic, not its name)."""
-    with open(path, "rb") as f:
-        compressed = f.read(2) == _GZIP_MAGIC
-    return gzip.open(path, "rb") if compressed else open(path, "rb")
+@contextlib.contextmanager
+def _open(path: str) -> Iterator[IO[bytes]]:
+    """``path`` for reading bytes, decompressed if it is gzip (known by its magic, not its name).
+    Opened once and peeked at, so a pipe (``<(zcat ...)``, ``/dev/stdin``) reads whole."""
+    with open(path, "rb") as raw:
+        if raw.peek(len(_GZIP_MAGIC))[: len(_GZIP_MAGIC)] == _GZIP_MAGIC:
+            with gzip.GzipFile(fileobj=raw, mode="rb") as unzipped:
+                yield unzipped
+        else:
+            yield raw
 
 
 def _parse_lines(lines: Iterable[bytes], block_tokens: int, path: str) -> Iterator[TraceRequest]:

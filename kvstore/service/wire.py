@@ -54,7 +54,8 @@ def _within_size(namespace: Namespace) -> Namespace:
     """``namespace``, if its strings and its canonical_json are within MAX_NAMESPACE_STRING_CHARS and
     MAX_NAMESPACE_JSON_CHARS; else ``InvalidRequest`` naming the field and the limit."""
     strings = [(f.name, value) for f in fields(namespace) if isinstance(value := getattr(namespace, f.name), str)]
-    strings += [("components", c) for c in namespace.components] + [("extra", s) for kv in namespace.extra for s in kv]
+    strings += [("components", c) for c in namespace.components] + [("extra", s) for kv in namespace.extra for s in kv
+                                                                                      if isinstance(s, str)]
     for name, value in strings:
         if len(value) > MAX_NAMESPACE_STRING_CHARS:
             raise InvalidRequest(f"Namespace.{name} has a string of {len(value)} characters, at most "

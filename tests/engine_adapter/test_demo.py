@@ -73,3 +73,10 @@ def test_a_demo_pointed_at_no_sidecar_says_so_before_it_starts():
     with pytest.raises(InvalidRequest, match=f"no kvstore sidecar answers at 127.0.0.1:{port}"):
         run_demo(DemoConfig.quick(sidecar=f"127.0.0.1:{port}"), lines.append)
     assert not any("chat" in line for line in lines), "no request ran"
+
+
+def test_a_demo_whose_store_cannot_open_leaves_no_temporary_directory(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(InvalidRequest, match="host tier capacity"):
+        run_demo(DemoConfig.quick(host_capacity=1), lambda s: None)  # a host tier of one byte
+    assert list(tmp_path.iterdir()) == []

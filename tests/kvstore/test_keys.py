@@ -398,11 +398,21 @@ def test_numpy_integers_are_plain_ints_in_a_namespace():
 
 
 @pytest.mark.parametrize("field, value", [("components", [["mla_bf16"]]), ("components", "mla_bf16"),
-                                          ("components", (b"mla_bf16",)), ("extra", [("k", 1)]),
-                                          ("extra", [("k", "v", "w")]), ("extra", "kv")])
+                                          ("components", (b"mla_bf16",)), ("extra", [("k", [1])]),
+                                          ("extra", [(1, "v")]), ("extra", [("k", "v", "w")]), ("extra", "kv")])
 def test_namespace_components_and_extra_must_hold_strings(field, value):
     """Anything else once reached the layout (an unhashable component: TypeError) or made a
     namespace the gRPC Namespace message cannot express."""
     fields = dict(model="m", model_config_hash="c", num_layers=4, components=("mla_bf16",))
     with pytest.raises(InvalidRequest, match=f"Namespace.{field} must be a list of"):
         Namespace(**{**fields, field: value})
+
+
+def test_a_namespace_takes_any_iterable_of_its_fields_and_keeps_the_ids_of_older_versions():
+    """Inputs the constructor took before its type checks still work, with the same ids: any
+    iterable of components, extra as a mapping or its items, and number values in extra."""
+    fields = dict(model="m", model_config_hash="c", num_layers=4)
+    listed = Namespace(components=["mla_bf16"], extra=[["lora", "a"], ["rank", 8]], **fields)
+    assert Namespace(components=(c for c in ["mla_bf16"]), extra={"lora": "a", "rank": 8}, **fields).id == listed.id
+    assert Namespace(components=("mla_bf16",), extra={"lora": "a", "rank": 8}.items(), **fields).id == listed.id
+    assert listed.id.hex() == "c879c82807679061093af2473e55064f", "the id the code before the checks gave"

@@ -1,5 +1,7 @@
 """Mooncake-format traces: parsing, partial last blocks, and clear errors naming the line."""
 
+import os
+
 import pytest
 
 from kvstore.errors import InvalidRequest
@@ -68,6 +70,23 @@ def test_a_gzip_trace_is_read_as_the_text_it_holds(tmp_path):
     packed.write_bytes(gzip.compress(LINES.encode()))
     requests = read_trace(str(plain)).requests
     assert read_trace(str(packed)).requests == requests and len(requests) == 2
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_a_trace_is_read_whole_from_a_pipe(compressed):
+    """A pipe (``<(zcat ...)``, /dev/stdin) cannot be read twice: looking for gzip's magic must not
+    lose its first bytes (it did: line 1 was then 'not JSON')."""
+    import gzip
+
+    data = gzip.compress(LINES.encode()) if compressed else LINES.encode()
+    read_end, write_end = os.pipe()
+    try:
+        os.write(write_end, data)  # fits the pipe's buffer
+        os.close(write_end)
+        requests = read_trace(f"/dev/fd/{read_end}").requests
+    finally:
+        os.close(read_end)
+    assert len(requests) == 2 and requests[0].hash_ids == (1, 2)
 
 
 def test_a_utf8_byte_order_mark_is_skipped(tmp_path):
