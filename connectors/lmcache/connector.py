@@ -24,18 +24,12 @@ LMCache call maps onto the sidecar (``KVStoreClient``):
                                   holds (it indexes hashes, so it cannot name other processes' keys)
 
 A sidecar that answers but whose disk hangs costs one get a deadline (``timeout_s``, the bound on
-each of its calls, Get included; lower it to make a hung disk cost less): a Get of a block below
-memory that runs past it while the sidecar still answers a lookup (within ``lookup_timeout_s``)
-opens a back-off window on reads below memory (``connectors.lower_tiers``, as for the engine
-connectors: 5 s or twice ``timeout_s``, doubling per failed probe up to 5 min or 20 ``timeout_s``,
-the longer of each). Meanwhile lookups count only the leading keys held in the host tier and gets
-stop at the first block below memory, so LMCache loads what memory holds and recomputes the rest at
-once; the sidecar is not backed off as a whole, so host-memory hits are still served. After the
-window, the first lookup that reaches a block below memory counts it, and so do the lookups after
-it (LMCache looks a prompt up again before it gets it) until a get reads below memory, at most
-``PROBE_HANDOVER_S``: that get is the probe; an answer in time closes the window, another overrun
-doubles it. A sidecar that does not answer the lookup either is backed off whole, as for any call it
-does not answer (``SidecarSession``). ``list`` reports keys in any tier: it plans no get.
+each of its calls, Get included): a Get below memory that runs past it while the sidecar still
+answers a lookup (within ``lookup_timeout_s``) opens a back-off window on reads below memory
+(``below_memory.py``). Meanwhile lookups count and gets read only the leading blocks held in the
+host tier, so LMCache loads what memory holds and recomputes the rest at once, and host-memory hits
+are still served. A sidecar that does not answer the lookup either is backed off whole, as for any
+call it does not answer (``SidecarSession``). ``list`` reports keys in any tier: it plans no get.
 
 Every object is verified after it is copied into LMCache's memory (its key digest, size and
 checksum), and its stored description before (``chunk_meta``: the shapes, dtypes and format this
@@ -58,7 +52,6 @@ import asyncio
 import collections
 import logging
 import threading
-import time
 from functools import partial
 from typing import List, Sequence
 
@@ -69,12 +62,14 @@ from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from connectors.lmcache import framing
+from connectors.lmcache.below_memory import BelowMemoryWindow, PastDeadline, load_in_time
 from connectors.lmcache.chunk_meta import ChunkGeometry, dtype_name, object_meta, require_whole_chunks
 from connectors.lmcache.config import PluginConfig
 from connectors.lmcache.framing import CorruptObject, key_digest
+from connectors.lmcache.known_keys import KnownKeys
+from connectors.lmcache.rebuild import rebuild
 from connectors.lmcache.namespace import lmcache_namespace
 from connectors.lmcache.workers import Call, Workers
-from connectors.lower_tiers import LowerTiers
 from connectors.sidecar_session import SidecarSession, not_answering
 from kvstore.buffers import byte_view
 from kvstore.layout import BlockSpec
@@ -84,20 +79,7 @@ from kvstore.service.limits import ServiceLimits
 from kvstore.tiers.host import HostTier
 
 log = logging.getLogger(__name__)
-KNOWN_KEYS = 65536  # key strings remembered for list(): about 10 MB
 PING_CLOSED = grpc.StatusCode.CANCELLED.value[0]  # ping's answer once the connector is closed
-BELOW_MEMORY = "below memory"  # the tier of a hit block past a grant's host-tier slots (the grant names none)
-PROBE_HANDOVER_S = 5.0  # how long the probe a lookup was granted waits for a get to make it
-
-
-class _PastDeadline(Exception):
-    """A Get of a block below memory ran past its deadline (``error``: its ``DEADLINE_EXCEEDED``).
-    Raised inside ``SidecarSession.call`` so that the session does not take it for a sidecar that
-    stopped answering before the connector has asked the sidecar itself."""
-
-    def __init__(self, error: grpc.RpcError):
-        super().__init__("a read below memory ran past its deadline")
-        self.error = error
 
 
 class KVStoreConnector(RemoteConnector):
@@ -119,15 +101,13 @@ class KVStoreConnector(RemoteConnector):
         self.session = SidecarSession(self.client, self.namespace, settings.address, meanwhile="LMCache sees misses")
         # A Get below memory waits at most timeout_s (the client's bound on every call): that is the
         # deadline whose overrun opens the lower tiers' window, and what sizes it.
-        self._lower_tiers = LowerTiers([HostTier.name], settings.timeout_s)  # the sidecar's one memory tier
-        self._lower_hung = False  # a read below memory hung, and none has answered since
-        self._probe_until = 0.0  # a lookup was let through to blocks below memory: its get probes until then
+        self._below_memory = BelowMemoryWindow(HostTier.name, settings.timeout_s)  # the sidecar's one memory tier
         self._batch = limits.max_transfer_blocks
         self._lookup_batch = limits.max_lookup_blocks
         self.geometry = ChunkGeometry(tuple(self.meta_shapes), tuple(self.meta_dtypes), self.meta_fmt)
         self._workers = Workers(settings.workers, "kvstore-lmcache")
         self._scratch = threading.local()  # one [block_bytes] uint8 buffer per worker thread
-        self._known: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._known = KnownKeys()
         self._counts: collections.Counter[str] = collections.Counter()
         self._lock = threading.Lock()
 
@@ -180,22 +160,12 @@ class KVStoreConnector(RemoteConnector):
                                  timeout_s=bound)
 
     def _lookup_usable(self, tiers: Sequence[str], blocks: int) -> int:
-        """How many of a lookup's ``blocks`` hit blocks (held in ``tiers``) to count: all, or while
-        the lower tiers' window is open, those before the first one below memory, so that LMCache
-        does not plan a get that would wait on a hung disk. A lookup let through to blocks below
-        memory while a hang is on record was granted the window's probe, which the next get that
-        reads below memory makes; until that get (at most ``PROBE_HANDOVER_S``) lookups count every
-        block too, since LMCache looks a prompt up again before it gets it."""
-        with self._lock:
-            if self._probe_until > time.monotonic():
-                return blocks
-        usable = self._lower_tiers.usable(tiers, blocks)
+        """How many of a lookup's ``blocks`` hit blocks (held in ``tiers``) to count
+        (``BelowMemoryWindow.lookup_usable``), so that LMCache does not plan a get that would wait
+        on a hung disk; what was cut counts in ``lookup_cut_below_memory``."""
+        usable = self._below_memory.lookup_usable(tiers, blocks)
         if usable < blocks:
             self._count(lookup_cut_below_memory=blocks - usable)
-        elif self._lower_tiers.below_memory(tiers[:blocks]):
-            with self._lock:
-                if self._lower_hung:
-                    self._probe_until = time.monotonic() + PROBE_HANDOVER_S
         return usable
 
     def support_batched_async_contains(self) -> bool:
@@ -242,7 +212,7 @@ class KVStoreConnector(RemoteConnector):
         except Exception as exc:  # what was copied and verified before the failure stays valid
             self._failed("get objects", exc)
         self._count(hits=len(objs))
-        self._remember(k.to_string() for k in keys[: len(objs)])
+        self._known.remember(k.to_string() for k in keys[: len(objs)])
         return objs
 
     def _get_batch(self, call: Call, digests: List[bytes]) -> List[MemoryObj]:
@@ -326,16 +296,9 @@ class KVStoreConnector(RemoteConnector):
         return objs
 
     def _get_usable(self, in_memory: int, blocks: int) -> int:
-        """How many of a get's ``blocks`` (the first ``in_memory`` in host memory) it may read now:
-        all, or while the lower tiers' window is open, the ones in memory (the rest counted in
-        ``cut_below_memory``). The probe a lookup was granted (``_lookup_usable``) lets one get through."""
-        if in_memory >= blocks:
-            return blocks
-        with self._lock:
-            probe, self._probe_until = self._probe_until > time.monotonic(), 0.0
-        if probe:
-            return blocks
-        usable = self._lower_tiers.usable([HostTier.name] * in_memory + [BELOW_MEMORY] * (blocks - in_memory), blocks)
+        """How many of a get's ``blocks`` (the first ``in_memory`` in host memory) it may read now
+        (``BelowMemoryWindow.get_usable``); the rest count in ``cut_below_memory``."""
+        usable = self._below_memory.get_usable(in_memory, blocks)
         if usable < blocks:
             self._count(cut_below_memory=blocks - usable)
         return usable
@@ -349,13 +312,13 @@ class KVStoreConnector(RemoteConnector):
         answered in time, from below memory or with nothing (a block dropped as corrupt), closes
         the lower tiers' window."""
         try:
-            loaded = self.session.call(partial(_load_in_time, self.client, self.session.ns_id, digest, block))
-        except _PastDeadline as late:
+            loaded = self.session.call(partial(load_in_time, self.client, self.session.ns_id, digest, block))
+        except PastDeadline as late:
             if not self._sidecar_answers(digest):
                 raise late.error from None
             self._below_memory_hung(digest)
             return None
-        if not loaded.tiers or self._lower_tiers.below_memory(loaded.tiers):
+        if not loaded.tiers or self._below_memory.below_memory(loaded.tiers):
             self._below_memory_answered()
         return loaded
 
@@ -369,46 +332,27 @@ class KVStoreConnector(RemoteConnector):
         return True
 
     def _below_memory_hung(self, digest: bytes) -> None:
-        self._lower_tiers.hung()
-        with self._lock:
-            first, self._lower_hung, self._probe_until = not self._lower_hung, True, 0.0
-            self._counts.update(hung_below_memory=1)
+        first = self._below_memory.hung()
+        self._count(hung_below_memory=1)
         (log.warning if first else log.debug)(
             "kvstore sidecar %s: reading block %s below memory did not answer within %g s (timeout_s) while "
             "the sidecar answers; gets and lookups stop at its host memory for a while, then one get tries again",
             self.settings.address, digest.hex(), self.settings.timeout_s)
 
     def _below_memory_answered(self) -> None:
-        self._lower_tiers.answered()
-        with self._lock:
-            was, self._lower_hung, self._probe_until = self._lower_hung, False, 0.0
-        if was:
+        if self._below_memory.answered():
             log.info("kvstore sidecar %s: reads below memory answer again", self.settings.address)
 
     def _rebuild(self, digest: bytes, block: np.ndarray) -> MemoryObj | None:
-        """A verified copy of the object framed in ``block`` in memory LMCache allocates; None when
-        the block is not a valid object of ``digest`` or there is no memory (both counted)."""
+        """A verified copy of the object framed in ``block`` in memory LMCache allocates
+        (``rebuild``); None when the block is not a valid object of ``digest`` or there is no
+        memory (both counted)."""
         try:
-            header = framing.read_header(block, digest)
-            shapes, dtypes, fmt = self.geometry.allocation(header.meta)
+            obj = rebuild(block, digest, self.geometry, self.local_cpu_backend)
         except CorruptObject as exc:
             return self._corrupt(digest, exc)
-        try:
-            obj = self.local_cpu_backend.allocate(shapes, dtypes, fmt, busy_loop=False)
-        except Exception as exc:  # LMCache refused the description: as corrupt as a bad checksum
-            return self._corrupt(digest, CorruptObject(f"LMCache cannot allocate it: {exc}"))
         if obj is None:
             self._count(no_memory=1)
-            return None
-        try:
-            copy = byte_view(obj.byte_array, writable=True)
-            if copy.nbytes != header.nbytes:
-                raise CorruptObject(f"its metadata describes {copy.nbytes} bytes, its header {header.nbytes}")
-            np.copyto(copy, framing.body(block, header))  # [nbytes] uint8
-            framing.verify(copy, header)
-        except CorruptObject as exc:
-            obj.ref_count_down()
-            return self._corrupt(digest, exc)
         return obj
 
     def _release(self, grant, copied_blocks: int) -> None:
@@ -461,7 +405,7 @@ class KVStoreConnector(RemoteConnector):
                 return True
             self._count(stored=result.stored, duplicates=result.duplicates, rejected=result.rejected)
             if not result.rejected:
-                self._remember([key.to_string()])
+                self._known.remember([key.to_string()])
         return True
 
     # ---- the rest of the interface -----------------------------------------------------
@@ -486,21 +430,9 @@ class KVStoreConnector(RemoteConnector):
         return await self._workers.run([], self._list_known)
 
     def _list_known(self, call: Call) -> List[str]:
-        with self._lock:
-            keys = list(self._known)
-        digests = [key_digest(k) for k in keys]
-        present: list[str] = []
-        start = 0
-        try:
-            # each Lookup answers the leading run present, so skip one miss per call
-            while start < len(keys) and not call.stopped:
-                batch = digests[start : start + self._lookup_batch]
-                hit = self._lookup(batch).hit_blocks  # held, in any tier: list plans no get
-                present += keys[start : start + hit]
-                start += hit if hit == len(batch) else hit + 1
-        except Exception as exc:
-            self._failed("list objects", exc)
-        return present
+        return self._known.present(lambda digests: self._lookup(digests).hit_blocks,  # any tier: list plans no get
+                                   self._lookup_batch, lambda: call.stopped,
+                                   lambda exc: self._failed("list objects", exc))
 
     def remove_sync(self, key: CacheEngineKey) -> bool:
         """False, always: the sidecar drops single blocks only by eviction (DeleteNamespace drops all)."""
@@ -542,14 +474,6 @@ class KVStoreConnector(RemoteConnector):
         with self._lock:
             self._counts.update(deltas)
 
-    def _remember(self, keys) -> None:
-        with self._lock:
-            for key in keys:
-                self._known[key] = None
-                self._known.move_to_end(key)
-            while len(self._known) > KNOWN_KEYS:
-                self._known.popitem(last=False)
-
     def _failed(self, what: str, exc: Exception) -> None:
         self._count(call_failures=1)
         self.session.failed(what, exc)
@@ -563,16 +487,6 @@ class KVStoreConnector(RemoteConnector):
         log.warning("kvstore sidecar: block %s is not a valid LMCache object (%s); it counts as a miss",
                     digest.hex(), exc)
         self._count(corrupt=1)
-
-
-def _load_in_time(client: KVStoreClient, ns_id: bytes, digest: bytes, block: np.ndarray):
-    """``client.load`` of one block, its ``DEADLINE_EXCEEDED`` raised as ``_PastDeadline``."""
-    try:
-        return client.load(ns_id, [digest], [block])
-    except grpc.RpcError as exc:
-        if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-            raise _PastDeadline(exc) from None
-        raise
 
 
 def _free(objs: list[MemoryObj]) -> None:
