@@ -337,19 +337,25 @@ def test_a_loop_already_on_disk_is_removed_at_restart_not_adopted(make_store, tm
     store.check_integrity()
 
 
-def test_a_load_stopped_by_an_error_ends_the_read_ahead_it_started(make_store, namespace, spec, chain):
-    """Promoting block 0 raises: the disk's read-ahead of blocks 1, 2 must not stay open (its
-    buffers and the segments they read, deleted or not, held until this thread's next read)."""
+def reopened_with_three_blocks_on_disk(make_store, namespace, spec, chain):
+    """A store whose disk alone holds ``chain[:3]`` (the host tier is fresh), its namespace id and
+    its disk tier; skips the test where the file system has no O_DIRECT (no read-ahead run)."""
     store = make_store(host_bytes=64 << 10, page_bytes=16 << 10, background_writes=False)
     ns_id = store.register_namespace(namespace)
     store.put(ns_id, chain[:3], payloads_for(spec, chain[:3]))
     store.flush()
     store.close()
-    store = make_store(host_bytes=64 << 10, page_bytes=16 << 10, background_writes=False)  # disk only now
+    store = make_store(host_bytes=64 << 10, page_bytes=16 << 10, background_writes=False)
     store.register_namespace(namespace)
-    disk = store.tiers[1]
-    if not disk.direct_io:
+    if not store.tiers[1].direct_io:
         pytest.skip("this file system has no O_DIRECT: no read-ahead run")
+    return store, ns_id, store.tiers[1]
+
+
+def test_a_load_stopped_by_an_error_ends_the_read_ahead_it_started(make_store, namespace, spec, chain):
+    """Promoting block 0 raises: the disk's read-ahead of blocks 1, 2 must not stay open (its
+    buffers and the segments they read, deleted or not, held until this thread's next read)."""
+    store, ns_id, disk = reopened_with_three_blocks_on_disk(make_store, namespace, spec, chain)
 
     def fails(*args, **kwargs):
         raise OSError("injected: the host tier cannot take the promoted block")
@@ -368,16 +374,7 @@ def test_a_full_load_whose_last_disk_block_was_promoted_meanwhile_ends_its_read_
     held span buffers and segment descriptors, deleted segments included, past ``close``)."""
     import threading
 
-    store = make_store(host_bytes=64 << 10, page_bytes=16 << 10, background_writes=False)
-    ns_id = store.register_namespace(namespace)
-    store.put(ns_id, chain[:3], payloads_for(spec, chain[:3]))
-    store.flush()
-    store.close()
-    store = make_store(host_bytes=64 << 10, page_bytes=16 << 10, background_writes=False)  # disk only now
-    store.register_namespace(namespace)
-    disk = store.tiers[1]
-    if not disk.direct_io:
-        pytest.skip("this file system has no O_DIRECT: no read-ahead run")
+    store, ns_id, disk = reopened_with_three_blocks_on_disk(make_store, namespace, spec, chain)
     read = disk.read
 
     def read_then_promote_block_2(key, dst, *args, **kwargs):
