@@ -97,6 +97,12 @@ class Engine:
             raise RuntimeError(f"requests ended early: {'; '.join(failed)}")
         return [list(out.output_ids) for out in outputs]
 
+    def reset_prefix_cache(self) -> int:
+        """Drop the device prefix cache: pages no running request references are freed and no
+        later request finds them (it loads them through the connector or computes them). Nothing
+        is demoted to the connector. Returns how many pages were dropped."""
+        return self.pool.drop_cached()
+
     def check_integrity(self) -> None:
         """Pool accounting holds, and exactly the running sequences' pages are referenced."""
         self.pool.check_integrity()

@@ -126,6 +126,17 @@ class PageAllocator:
         self._block_of[page] = CachedBlock(block_hash, parent)
         return True
 
+    def drop_cached(self) -> int:
+        """Forget every cached page: each becomes free and no longer findable by hash (referenced
+        pages, registered or not, are untouched). ``on_evict`` is not called: the blocks are dropped,
+        not demoted. Returns how many pages were dropped."""
+        dropped = list(self._evictable)
+        for page in dropped:
+            del self._page_of[self._block_of.pop(page).block_hash]
+        self._evictable.clear()
+        self._free.extend(dropped)
+        return len(dropped)
+
     def block_of(self, page: int) -> CachedBlock | None:
         return self._block_of.get(page)
 

@@ -24,6 +24,11 @@ def test_quick_demo_reuses_from_every_tier_and_matches_cold_runs(tmp_path):
     assert [rows[f"long {k}"]["reused_tokens"] for k in ("cold", "resident", "host", "disk")] == [0, cached, cached, cached]
     assert rows["long resident"]["reused_from"] == f"device {cached}"
     assert rows["long host"]["reused_from"] == f"host {cached}" and rows["long disk"]["reused_from"] == f"disk {cached}"
+    for case in ("resident", "host", "disk"):  # every run of the TTFT median, not only the first
+        runs = rows[f"long {case}"]["runs"]
+        assert len(runs) == 2 and all(run["reused_from"] == f"{'device' if case == 'resident' else case} {cached}"
+                                      for run in runs), runs
+        assert rows[f"long {case}"]["ttft_median_s"] == pytest.approx(sum(run["ttft_s"] for run in runs) / 2)
     assert result["prefill_tokens_reused"] == sum(r["reused_tokens"] for r in result["requests"])
     assert 0 < result["ttft_hit_s"] and 0 < result["ttft_cold_s"]
     assert any("outputs identical to cold runs: True" in line for line in lines)
@@ -59,6 +64,8 @@ def test_quick_demo_against_a_sidecar_reuses_the_same_and_matches_cold_runs(make
     assert any("host" in r["reused_from"] for r in result["requests"] if r["request"].startswith("chat"))
     assert [rows[f"long {k}"]["reused_tokens"] for k in ("cold", "resident", "host")] == [0, 896, 896]
     assert rows["long host"]["reused_from"] == "host 896", "tier figures come from the sidecar's stats"
+    assert [run["reused_from"] for run in rows["long host"]["runs"]] == ["host 896"] * 2
+    assert [run["reused_from"] for run in rows["long resident"]["runs"]] == ["device 896"] * 2
     assert "long disk" not in rows and result["ttft_disk_hit_s"] is None
     assert any(f"the sidecar at {sidecar.target}" in line for line in lines)
     assert any("skipped" in line for line in lines)

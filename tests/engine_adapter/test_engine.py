@@ -72,6 +72,19 @@ def test_the_same_prompt_again_reuses_all_but_the_last_token(v3):
     assert again[0].stats.device_hit_tokens == 24 and again[0].stats.computed_prompt_tokens == 8
 
 
+def test_a_reset_prefix_cache_makes_the_same_prompt_compute_again(v3):
+    engine, _ = make_engine(v3.ours, evicted=(evicted := []))
+    prompt = prompt_ids(32, seed=4)
+    [first] = engine.run([Request(prompt, NEW)])
+    cached = engine.pool.num_cached
+    assert cached >= 4 and engine.reset_prefix_cache() == cached
+    assert engine.pool.num_cached == 0 and engine.pool.num_free == engine.pool.num_pages and evicted == []
+    [again] = engine.run([Request(prompt, NEW)])
+    assert again.output_ids == first.output_ids
+    assert (again.stats.device_hit_tokens, again.stats.computed_prompt_tokens) == (0, 32)
+    engine.check_integrity()
+
+
 def test_decoded_blocks_are_registered_too(v3):
     """A follow-up turn that contains the first turn's answer reuses the answer's blocks."""
     engine, _ = make_engine(v3.ours)

@@ -70,6 +70,20 @@ def test_a_hit_makes_a_chain_recent_again():
     pool.check_integrity()
 
 
+def test_dropping_the_cache_frees_cached_pages_only_and_demotes_nothing():
+    pool = allocator(6, evicted := [])
+    run_chain(pool, H[0:3])  # pages 0, 1, 2: cached
+    held = pool.allocate(2)  # pages 3, 4: a running request's
+    assert pool.register(held[0], H[5], None)
+    pool.pin([1])  # a hit on chain A's middle block, still running
+    assert pool.drop_cached() == 2  # pages 0 and 2
+    assert (pool.num_free, pool.num_cached) == (3, 0) and evicted == []
+    assert pool.match_prefix(H[0:3]) == [] and pool.match_prefix([H[1]]) == [1] and pool.match_prefix([H[5]]) == [3]
+    assert sorted(pool.allocate(3)) == [0, 2, 5]  # the dropped pages are free, not evicted
+    assert evicted == [] and pool.drop_cached() == 0
+    pool.check_integrity()
+
+
 def test_duplicate_block_stays_private_and_is_freed():
     pool = allocator(3, [])
     first, second = pool.allocate(2)
