@@ -15,11 +15,13 @@ How each side maps onto the sidecar's calls (``KVStoreClient``), fast path chose
   segment cannot be mapped (another host or container) the sidecar's native data plane streams
   them instead (``ReadSlots``, ``max_transfer_blocks`` (and ``max_transfer_bytes``) at a time through reused host buffers). The
   rest (disk blocks, or everything when neither works) come through ``Get`` calls of at most
-  ``max_transfer_blocks`` blocks into one reused set of host buffers. Only once the slots' lease is released *successfully* (it was alive through every
-  copy, so no slot was reused under us) are the layers signalled ready; if it expired meanwhile
-  the load fails and the engine recomputes. Layers are therefore signalled together at the end
-  (no per-layer overlap with compute, unlike ``StoreConnector``): the price of verifying the
-  copies without hashing them.
+  ``max_transfer_blocks`` blocks into one reused set of host buffers. A copied layer is signalled
+  ready only once no slot can have been reused under it: the slots' lease cannot end before its
+  TTL has passed since the GetSlots call was made, so when the whole hit is mapped here each layer
+  is signalled as soon as it is copied, if that is within half the TTL of the call (``_scatter_layers``:
+  layer 0 of the suffix computes while later layers copy, as with ``StoreConnector``). Every other
+  layer waits for the slots' lease to be released *successfully* (it was alive through every copy);
+  if it expired meanwhile the load fails and the engine recomputes.
 - ``save``: gathers the pages into payloads before returning (like ``StoreConnector``), then a
   background writer hands them over with ``put_shm`` (staging slots in shared memory, verified by
   the sidecar at commit; ``Put`` where that cannot be used), at most ``max_transfer_blocks`` (and ``max_transfer_bytes``) a call.
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Sequence
@@ -144,15 +147,20 @@ class SidecarConnector(KVConnector):
         abandoned = threading.Event()  # the engine gave up on the load
 
         def fetch_and_copy(layer_done, fence) -> None:
+            asked = time.monotonic()  # the slots' lease lasts at least lease_ttl_s from here
             grant = self.client.get_slots(self.ns_id, hashes, self.lease_ttl_s)  # pins the whole hit
             kept = 0  # the slots' copies the load keeps (for the sidecar's metrics): none if it fails
             try:
                 in_memory = self.client.slot_views(grant)[: len(hashes)]  # same host: mapped shared memory
-                self._scatter(pool, pages, in_memory, fence)
-                done = len(in_memory) or self._stream_into(pool, pages, grant, fence)  # another host: the data plane
-                below = self._lower_tiers.below_memory(hit.tiers[done : len(hashes)])
-                self._fetch_into(pool, hashes[done:], pages[done:], fence, reading_below if below else None,
-                                 abandoned)
+                if hashes and len(in_memory) == len(hashes):  # all of it: layer by layer
+                    self._scatter_layers(pool, pages, in_memory, fence, layer_done, self._proven_until(asked))
+                    done = len(in_memory)
+                else:
+                    self._scatter(pool, pages, in_memory, fence)
+                    done = len(in_memory) or self._stream_into(pool, pages, grant, fence)  # another host: the data plane
+                    below = self._lower_tiers.below_memory(hit.tiers[done : len(hashes)])
+                    self._fetch_into(pool, hashes[done:], pages[done:], fence, reading_below if below else None,
+                                     abandoned)
                 kept = done
             finally:
                 intact = self.client.release_grant(grant, kept)
@@ -215,6 +223,25 @@ class SidecarConnector(KVConnector):
             for layer in range(self.spec.num_layers):
                 for page, payload in zip(pages, payloads):
                     scatter_layer(self.spec, pool, layer, page, payload)
+
+    def _proven_until(self, asked: float) -> float:
+        """Until when a copy out of slots granted by a GetSlots call made at ``asked`` is proven
+        intact: half the lease's TTL later (the lease, taken after ``asked``, lasts the whole TTL;
+        one host's processes share the monotonic clock's rate)."""
+        return asked + self.lease_ttl_s / 2
+
+    def _scatter_layers(self, pool: PageBytes, pages: Sequence[int], slots: Sequence[np.ndarray], fence: PageFence,
+                        layer_done, proven_until: float) -> None:
+        """Mapped slots into their pages one layer at a time, each layer signalled done (``layer_done``)
+        once copied if that was before ``proven_until`` (a ``time.monotonic()`` instant well inside
+        the slots' lease: no slot could have been reused under the copy). A layer copied later is
+        signalled only after a successful release, as the caller does for the whole load."""
+        for layer in range(self.spec.num_layers):
+            with fence:
+                for page, slot in zip(pages, slots):
+                    scatter_layer(self.spec, pool, layer, page, slot)
+            if time.monotonic() < proven_until:
+                layer_done(layer + 1)
 
     def report_prefill(self, request_id: str, saved_tokens: int, computed_tokens: int) -> None:
         try:

@@ -107,6 +107,84 @@ def test_same_host_saves_and_loads_go_through_shared_memory_and_prefills_reach_t
     assert sidecar.store.stats().leases_active == 0
 
 
+def _held_release(connector, answer: bool = True):
+    """Make ``connector``'s slot releases wait for the returned event, then answer ``answer``
+    (False: the sidecar said the lease had expired)."""
+    go, release = threading.Event(), connector.client.release_grant
+
+    def held(grant, copied):
+        assert go.wait(30)
+        return release(grant, copied) and answer
+    connector.client.release_grant = held
+    return go
+
+
+def _layers_ready_within(handle, seconds: float) -> int:
+    """How many leading layers ``handle`` reports in place within ``seconds`` (wait_layer on a thread)."""
+    ready = []
+    waiter = threading.Thread(target=lambda: [handle.wait_layer(layer) or ready.append(layer)
+                                              for layer in range(SPEC.num_layers)], daemon=True)
+    waiter.start()
+    waiter.join(seconds)
+    return len(ready)
+
+
+def test_a_mapped_hit_is_signalled_layer_by_layer_before_its_slots_are_released(make_store, sidecars, connectors,
+                                                                                hashes):
+    """Copies within half the lease's TTL of the GetSlots call need not wait for the release:
+    the lease cannot have ended under them, so layer 0 of the suffix can compute meanwhile."""
+    sidecar = sidecars(make_store())
+    producer, consumer = connectors(sidecar.target, NS), connectors(sidecar.target, NS)
+    source = BytePool(8, seed=5)
+    producer.save("a", hashes, [2, 3, 4, 5, 6, 7], source, parent=None)
+    producer.flush()
+    go = _held_release(consumer)
+    target = BytePool(8)
+    handle = consumer.start_load(consumer.lookup("b", hashes), hashes, [7, 6, 5, 4, 3, 2], target)
+    assert _layers_ready_within(handle, 10) == SPEC.num_layers, "a layer waited for the slots' release"
+    for layer in range(SPEC.num_layers):
+        for src_page, dst_page in zip([2, 3, 4, 5, 6, 7], [7, 6, 5, 4, 3, 2]):
+            assert torch.equal(target.layer_page_bytes(layer, dst_page), source.layer_page_bytes(layer, src_page))
+    assert sidecar.store.stats().leases_active == 2, "the lookup's and the slots' leases are still held"
+    go.set()
+    assert handle.wait() == 6
+    assert sidecar.store.stats().leases_active == 0
+
+
+@pytest.mark.parametrize("expired", [False, True])
+def test_layers_copied_too_late_in_the_lease_wait_for_a_successful_release(make_store, sidecars, connectors, hashes,
+                                                                          expired):
+    sidecar = sidecars(make_store())
+    producer, consumer = connectors(sidecar.target, NS), connectors(sidecar.target, NS)
+    producer.save("a", hashes, [0, 1, 2, 3, 4, 5], BytePool(6, seed=6), parent=None)
+    producer.flush()
+    consumer._proven_until = lambda asked: asked  # every copy ends after the proven window
+    go = _held_release(consumer, answer=not expired)
+    handle = consumer.start_load(consumer.lookup("b", hashes), hashes, [0, 1, 2, 3, 4, 5], BytePool(6))
+    assert _layers_ready_within(handle, 0.5) == 0, "a layer was signalled before its copy was proven intact"
+    go.set()
+    if expired:  # a slot may have been reused under the copy: the engine recomputes
+        with pytest.raises(LoadFailed, match="expired during the copy"):
+            handle.wait_layer(0)
+        assert handle.wait() == 0
+    else:
+        assert _layers_ready_within(handle, 10) == SPEC.num_layers and handle.wait() == 6
+
+
+def test_a_lease_reported_expired_after_proven_layers_still_fails_the_load(make_store, sidecars, connectors, hashes):
+    """Cannot happen on one host (the proof), but if the sidecar says so the engine's check after its
+    forward (``wait``) still turns the load into a recompute."""
+    sidecar = sidecars(make_store())
+    producer, consumer = connectors(sidecar.target, NS), connectors(sidecar.target, NS)
+    producer.save("a", hashes, [0, 1, 2, 3, 4, 5], BytePool(6, seed=7), parent=None)
+    producer.flush()
+    go = _held_release(consumer, answer=False)
+    handle = consumer.start_load(consumer.lookup("b", hashes), hashes, [0, 1, 2, 3, 4, 5], BytePool(6))
+    assert _layers_ready_within(handle, 10) == SPEC.num_layers
+    go.set()
+    assert handle.wait() == 0
+
+
 @pytest.mark.parametrize("data_plane", [
     pytest.param(True, marks=pytest.mark.skipif(not dataplane.available(), reason="the data plane was not built")),
     False,
