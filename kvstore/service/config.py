@@ -16,6 +16,8 @@ Flags override the environment, the environment overrides the embedded defaults:
                                           else at least 4096 (one page)
     KVSTORE_DURABLE_PUTS=0                answer a put only once it is fsynced to the disk tier
     KVSTORE_SHUTDOWN_GRACE_S=10           how long in-flight calls may finish after SIGTERM
+    KVSTORE_DATA_PLANE_PROBE_S=10         seconds between probes of the data plane's listener, which is
+                                          restarted after two unanswered ones (DataPlaneWatchdog); 0: none
     KVSTORE_MAX_LOOKUP_BLOCKS=16384       and the other ServiceLimits fields (kvstore.service.limits):
     KVSTORE_MAX_TRANSFER_BLOCKS=32        KVSTORE_MAX_CHUNK_BYTES=1MiB, KVSTORE_MAX_MESSAGE_BYTES=4MiB,
                                           KVSTORE_MAX_CONCURRENT_TRANSFERS=16,
@@ -48,7 +50,8 @@ MAX_PORT = 65535
 
 _STRINGS = ("token", "token_file", "tls_cert", "tls_key")
 _PARSED = {"allow_plaintext": parse_bool, "protect_metrics": parse_bool, "durable_puts": parse_bool,
-           "check_integrity_on_exit": parse_bool, "staging_bytes": parse_size, "shutdown_grace_s": parse_seconds}
+           "check_integrity_on_exit": parse_bool, "staging_bytes": parse_size, "shutdown_grace_s": parse_seconds,
+           "data_plane_probe_s": parse_seconds}
 # What each address may be: its forms (for messages), its words, and whether unix:PATH is one.
 _ADDRESS_FORMS = {"address": ("HOST:PORT or unix:PATH", (), True),
                   "http_address": ("HOST:PORT or 'off'", (HTTP_OFF,), False),
@@ -69,6 +72,7 @@ class ServeConfig:
     staging_bytes: int = DEFAULT_STAGING_BYTES
     durable_puts: bool = False
     shutdown_grace_s: float = 10.0
+    data_plane_probe_s: float = 10.0  # 0: no DataPlaneWatchdog
     check_integrity_on_exit: bool = False  # after a graceful shutdown: IntegrityCheckFailed if the books disagree
     limits: ServiceLimits = field(default_factory=ServiceLimits)
 
@@ -81,6 +85,9 @@ class ServeConfig:
         if not (math.isfinite(self.shutdown_grace_s) and self.shutdown_grace_s >= 0):
             raise InvalidRequest(f"the shutdown grace must be finite seconds, 0 or more, got {self.shutdown_grace_s}; "
                                  "--shutdown-grace-s or KVSTORE_SHUTDOWN_GRACE_S")
+        if not (math.isfinite(self.data_plane_probe_s) and self.data_plane_probe_s >= 0):
+            raise InvalidRequest(f"the data plane's probe interval must be finite seconds, 0 (no probes) or more, "
+                                 f"got {self.data_plane_probe_s}; KVSTORE_DATA_PLANE_PROBE_S")
 
     def data_plane_address(self) -> str | None:
         """Where the native data plane listens: None when off; "auto" resolves to the gRPC

@@ -16,6 +16,9 @@ gRPC server in the sidecar process, the ``kvstore.v1.BlockData`` service:
                                  NOT_FOUND means the lease expired and the copies must be
                                  discarded (as for shm)
 
+A listener that stops accepting (gRPC 1.51, after running out of descriptors) is found and the
+server restarted on its port by ``dataplane_watchdog.DataPlaneWatchdog`` (``DataPlaneServer.restart``).
+
 ``DataPlaneServer`` and ``DataPlaneClient`` wrap the C ABI with ctypes (the library is built by
 setup.py from gRPC's Debian C++ packages). ``available()`` is False where it was not built: the
 sidecar then advertises no data port and clients take Python's Get, with the same results.
@@ -31,7 +34,7 @@ import secrets
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Sequence
 
@@ -125,6 +128,13 @@ class DataPlaneCounters:
     refused: int
     cut_short: int
     live_grants: int
+    restarts: int = 0  # DataPlaneServer.restart calls that started a new server
+
+    def plus(self, other: "DataPlaneCounters", live: bool = True) -> "DataPlaneCounters":
+        """The counts of both; ``other``'s live grants only if ``live`` (a freed server has none)."""
+        return DataPlaneCounters(self.calls + other.calls, self.bytes_sent + other.bytes_sent,
+                                 self.refused + other.refused, self.cut_short + other.cut_short,
+                                 self.live_grants + (other.live_grants if live else 0))
 
 
 class DataPlaneServer:
@@ -145,20 +155,26 @@ class DataPlaneServer:
         lib = _require()
         if address.startswith("unix:") or ":" not in address:
             raise InvalidRequest(f"the data plane listens on HOST:PORT, got {address!r}")
-        err, port = ctypes.create_string_buffer(_ERR_BYTES), ctypes.c_int(0)
         cert, key = (tls[0], tls[1]) if tls else (None, None)
-        self._handle = lib.kvdp_server_start(address.encode(), segment_path.encode(), cert, key, _cstr(token),
-                                             max_chunk_bytes, max_streams, max_streams_per_client,
-                                             stream_idle_timeout_s, ctypes.byref(port), err, _ERR_BYTES)
-        if not self._handle:
-            raise InvalidRequest(f"the data plane cannot start: {err.value.decode()}; give --data-address "
-                                 "HOST:PORT or 'off'")
+        self._settings = (segment_path.encode(), cert, key, _cstr(token), max_chunk_bytes, max_streams,
+                          max_streams_per_client, stream_idle_timeout_s)
         self._lib = lib
-        self.port = port.value
+        self._handle, self.port = self._start(address)
+        self.host = address.rsplit(":", 1)[0]
+        self.restarts = 0
         self._grants: dict[int, tuple[bytes, float]] = {}  # lease id -> (token, deadline)
         self._lock = threading.Lock()  # the grants, and the handle against its freeing
-        self._stopping = threading.Lock()  # one stop() at a time
-        self._final = DataPlaneCounters(0, 0, 0, 0, 0)  # what counters() says once freed
+        self._stopping = threading.Lock()  # one stop() or restart() at a time
+        self._ended = DataPlaneCounters(0, 0, 0, 0, 0)  # the counters of servers freed (restarts, stop)
+
+    def _start(self, address: str) -> tuple[int, int]:
+        """A native server on ``address``: (its handle, the port it bound). ``InvalidRequest`` if it cannot start."""
+        err, port = ctypes.create_string_buffer(_ERR_BYTES), ctypes.c_int(0)
+        handle = self._lib.kvdp_server_start(address.encode(), *self._settings, ctypes.byref(port), err, _ERR_BYTES)
+        if not handle:
+            raise InvalidRequest(f"the data plane cannot start: {err.value.decode()}; give --data-address "
+                                 "HOST:PORT or 'off'")
+        return handle, port.value
 
     def grant(self, lease_id: int, regions: Sequence[tuple[int, int]], ttl_s: float | None = None, *,
               deadline: float | None = None) -> bytes | None:
@@ -192,14 +208,14 @@ class DataPlaneServer:
                 self._lib.kvdp_server_revoke(self._handle, held[0], len(held[0]))
 
     def counters(self) -> DataPlaneCounters:
+        """Totals over every server this object ran (restarts included); ``live_grants`` of the current one."""
         with self._lock:
-            if self._handle is None:
-                return self._final
-            return self._counters_locked()
+            total = self._ended if self._handle is None else self._ended.plus(self._native_counters(self._handle))
+            return replace(total, restarts=self.restarts)
 
-    def _counters_locked(self) -> DataPlaneCounters:
+    def _native_counters(self, handle: int) -> DataPlaneCounters:
         out = (ctypes.c_uint64 * 5)()
-        self._lib.kvdp_server_counters(self._handle, out)
+        self._lib.kvdp_server_counters(handle, out)
         return DataPlaneCounters(*out)
 
     def stop(self, grace_s: float = 5.0) -> None:
@@ -210,10 +226,38 @@ class DataPlaneServer:
             if handle is None:
                 return
             self._lib.kvdp_server_shutdown(handle, grace_s)  # not under _lock: grants and revokes go on
+            self._free(handle)
+
+    def _free(self, handle: int) -> None:
+        """Forget ``handle`` (shut down) and its grants, keeping its counters. Caller holds ``_stopping``."""
+        with self._lock:
+            self._ended = self._ended.plus(self._native_counters(handle), live=False)
+            self._handle = None
+            self._grants.clear()
+            self._lib.kvdp_server_free(handle)
+
+    def restart(self) -> bool:
+        """Replace the native server with a new one on the same port (its listener may have stopped
+        accepting: ``DataPlaneWatchdog``). Every grant ends with the old server, and its streams
+        stop at once: their clients see the grant gone and fetch those blocks through Get. False,
+        with the data plane off from then on (GetSlots grants nothing), if it was stopped or the new
+        server cannot start (logged)."""
+        with self._stopping:
+            handle = self._handle
+            if handle is None:
+                return False
+            self._lib.kvdp_server_shutdown(handle, 0.0)
+            self._free(handle)
+            try:
+                handle, _ = self._start(f"{self.host}:{self.port}")
+            except InvalidRequest as exc:
+                log.error("the data plane could not be restarted on port %d (%s): it stays off, and clients on "
+                          "other hosts get blocks through Get until the sidecar restarts", self.port, exc)
+                return False
             with self._lock:
-                self._final = self._counters_locked()
-                self._handle = None
-                self._lib.kvdp_server_free(handle)
+                self._handle = handle
+            self.restarts += 1
+            return True
 
 
 def default_streams() -> int:

@@ -26,8 +26,9 @@ from kvstore.errors import KVStoreError
 class LocalSidecar:
     def __init__(self, data_dir: str, host_capacity: str = "512MiB", disk_capacity: str = "0",
                  address: str = "127.0.0.1:0", http_address: str = "127.0.0.1:0", extra_args: tuple[str, ...] = (),
-                 env: dict | None = None):
-        args = [sys.executable, "-m", "kvstore.service", "--address", address, "--http-address", http_address,
+                 env: dict | None = None, launcher: tuple[str, ...] = ()):
+        """``launcher``: a command the sidecar runs under, e.g. ``("prlimit", "--nofile=512:512")``."""
+        args = [*launcher, sys.executable, "-m", "kvstore.service", "--address", address, "--http-address", http_address,
                 "--data-dir", data_dir, "--host-capacity", host_capacity, "--disk-capacity", disk_capacity,
                 *extra_args]
         self._log = tempfile.TemporaryFile("a+")  # O_APPEND: the child writes at the end whatever we read

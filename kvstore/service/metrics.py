@@ -288,6 +288,8 @@ class DataPlaneCollector:
          "request or none within stream_idle_timeout_s, no token, over a stream limit)"),
         ("kvstore_dataplane_cut_short", "cut_short", "ReadSlots streams ended early: the client cancelled or "
          "dropped them, their grant ended, or they stalled past stream_idle_timeout_s"),
+        ("kvstore_dataplane_restarts", "restarts", "Restarts of the data plane whose listener stopped answering "
+         "(DataPlaneWatchdog)"),
     )
 
     def __init__(self, data_plane):

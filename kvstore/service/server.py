@@ -39,6 +39,7 @@ from kvstore.service import dataplane, security
 from kvstore.service.heap import keep_heap_for_transfers
 from kvstore.service.config import HTTP_OFF, ServeConfig
 from kvstore.service.dataplane import DataPlaneServer
+from kvstore.service.dataplane_watchdog import DataPlaneWatchdog
 from kvstore.service.limits import ServiceLimits
 from kvstore.service.metrics import ServiceMetrics
 from kvstore.service.servicer import SERVICE_NAME, KVStoreServicer, add_to_server
@@ -146,10 +147,12 @@ async def serve(config: ServeConfig, store_config: StoreConfig, ready: Callable[
     shm_dir = store_config.host.shm_dir if store_config.host else None
     remove_stale_segments(shm_dir)  # creating a segment sweeps too; this also covers a sidecar that maps none
     store = await asyncio.to_thread(store_config.open_store)  # a large host tier takes seconds to prefault
-    staging = http = sampler = data_plane = None
+    staging = http = sampler = data_plane = watchdog = None
     try:
         staging = StagingArea(config.staging_bytes, shm_dir) if config.staging_bytes else None
         data_plane = start_data_plane(data_address, store, config.limits, token, tls)
+        if data_plane is not None and config.data_plane_probe_s > 0:
+            watchdog = DataPlaneWatchdog(data_plane, tls is not None, interval_s=config.data_plane_probe_s)
         health = health_aio.HealthServicer()
         metrics = ServiceMetrics(store)
         server, port = await create_server(config.address, store, config.limits, health, metrics=metrics,
@@ -176,6 +179,8 @@ async def serve(config: ServeConfig, store_config: StoreConfig, ready: Callable[
         serving.clear()
         await health.enter_graceful_shutdown()
         stopping = [server.stop(config.shutdown_grace_s)]
+        if watchdog is not None:  # no restart races the shutdown
+            await asyncio.to_thread(watchdog.stop)
         if data_plane is not None:  # its streams get the same grace, at the same time
             stopping.append(asyncio.to_thread(data_plane.stop, config.shutdown_grace_s))
         await asyncio.gather(*stopping)
@@ -185,6 +190,8 @@ async def serve(config: ServeConfig, store_config: StoreConfig, ready: Callable[
             sampler.cancel()
         if http is not None:
             await http.stop()
+        if watchdog is not None:
+            watchdog.stop()
         if data_plane is not None:
             data_plane.stop(0)  # a no-op after a graceful shutdown
         if staging is not None:

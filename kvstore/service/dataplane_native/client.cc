@@ -139,6 +139,19 @@ class ReadCall {
   std::unique_ptr<grpc::GenericClientAsyncReaderWriter> call_;
 };
 
+// A listener that stopped accepting still completes TCP connects (the kernel does), and a call
+// would wait out its whole deadline for the server's HTTP/2 settings: a connection that is not
+// ready within this (or the call's timeout, if shorter) fails the read UNAVAILABLE instead.
+constexpr double kConnectTimeoutS = 3.0;
+
+bool connected(DataPlaneClient* client, double timeout_s) {
+  if (client->channel->GetState(false) == GRPC_CHANNEL_READY) return true;
+  double bound = timeout_s > 0 ? std::min(timeout_s, kConnectTimeoutS) : kConnectTimeoutS;
+  return client->channel->WaitForConnected(std::chrono::system_clock::now() +
+                                           std::chrono::duration_cast<std::chrono::system_clock::duration>(
+                                               std::chrono::duration<double>(bound)));
+}
+
 grpc::ChannelArguments channel_arguments() {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(-1);
@@ -188,6 +201,12 @@ int kvdp_client_read(void* handle, const uint8_t* grant, size_t grant_len, uint3
                      size_t errlen) {
   auto* client = static_cast<DataPlaneClient*>(handle);
   if (n == 0) return 0;  // num_slots 0 would mean "through the last"
+  if (!connected(client, timeout_s)) {
+    int bound_ms = static_cast<int>(1000 * (timeout_s > 0 ? std::min(timeout_s, kConnectTimeoutS) : kConnectTimeoutS));
+    set_error(err, errlen, "no connection to the data plane was ready within " + std::to_string(bound_ms) +
+                               " ms (is its listener accepting?)");
+    return static_cast<int>(grpc::StatusCode::UNAVAILABLE);
+  }
   Destinations destinations(n, dsts, sizes);
   ReadCall call(client, timeout_s);
   bool fits = true;

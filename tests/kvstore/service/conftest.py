@@ -11,6 +11,7 @@ import subprocess
 import threading
 
 import grpc
+import numpy as np
 import pytest
 
 from kvstore.service.client import KVStoreClient
@@ -83,6 +84,18 @@ def client(server):
 def stub(server):
     with grpc.insecure_channel(server.target) as channel:
         yield KVStoreStub(channel)
+
+
+SEGMENT_BYTES = 8 << 20
+
+
+@pytest.fixture(scope="module")
+def segment(tmp_path_factory):
+    """A segment file of random bytes for a native data plane to serve: (its path, its bytes)."""
+    path = tmp_path_factory.mktemp("dp") / "segment"
+    data = np.random.default_rng(7).integers(0, 256, SEGMENT_BYTES, dtype=np.uint8)  # [SEGMENT_BYTES]
+    data.tofile(path)
+    return str(path), data
 
 
 @pytest.fixture(scope="module")

@@ -80,3 +80,12 @@ def test_a_shutdown_grace_that_is_not_finite_seconds_is_refused(grace):
         ServeConfig(shutdown_grace_s=grace)
     with pytest.raises(InvalidRequest, match=re.escape(message)):
         ServeConfig.from_env({"KVSTORE_SHUTDOWN_GRACE_S": str(grace)})
+
+
+@pytest.mark.parametrize("interval", [float("nan"), float("inf"), -1.0])
+def test_a_data_plane_probe_interval_that_is_not_finite_seconds_is_refused(interval):
+    message = f"probe interval must be finite seconds, 0 (no probes) or more, got {interval}; KVSTORE_DATA_PLANE_PROBE_S"
+    with pytest.raises(InvalidRequest, match=re.escape(message)):
+        ServeConfig.from_env({"KVSTORE_DATA_PLANE_PROBE_S": str(interval)})
+    assert ServeConfig.from_env({"KVSTORE_DATA_PLANE_PROBE_S": "0"}).data_plane_probe_s == 0
+    assert ServeConfig().data_plane_probe_s == 10

@@ -17,22 +17,14 @@ from kvstore.service.client import data_plane_host
 from kvstore.service.dataplane import DataPlaneClient, DataPlaneError, DataPlaneServer
 from kvstore.service.v1 import kvstore_pb2 as pb
 from kvstore.service.v1.kvstore_pb2_grpc import BlockDataStub
+from tests.kvstore.service.conftest import SEGMENT_BYTES
 
 pytestmark = pytest.mark.skipif(not dataplane.available(),
                                 reason="the native data plane was not built (make installs g++ and libgrpc++-dev)")
 
-SEGMENT_BYTES = 8 << 20
 REGIONS = [(17, 100_000), (300_001, 1 << 20), (2 << 20, 5), (4 << 20, 3 << 20)]  # odd offsets and sizes
 TOKEN = "s3cret-token"
 UNAUTHENTICATED, NOT_FOUND, OUT_OF_RANGE = 16, 5, 11
-
-
-@pytest.fixture(scope="module")
-def segment(tmp_path_factory):
-    path = tmp_path_factory.mktemp("dp") / "segment"
-    data = np.random.default_rng(7).integers(0, 256, SEGMENT_BYTES, dtype=np.uint8)  # [SEGMENT_BYTES]
-    data.tofile(path)
-    return str(path), data
 
 
 @pytest.fixture
