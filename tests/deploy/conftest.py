@@ -23,8 +23,8 @@ def metric_families(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="session")
 def exported(metric_families) -> set[str]:
-    """Every sample name /metrics can carry, as PromQL selects it."""
-    from kvstore.service.metrics import METRIC_NAMES
+    """Every sample name /metrics can carry, as PromQL selects it (the data plane's where it runs)."""
+    from kvstore.service.metrics import DATA_PLANE_METRIC_NAMES, METRIC_NAMES
 
     histograms = {name for name, kind in metric_families.items() if kind == "histogram"}
-    return exported_sample_names(METRIC_NAMES, histograms)
+    return exported_sample_names(METRIC_NAMES + DATA_PLANE_METRIC_NAMES, histograms)

@@ -16,9 +16,10 @@ from tests.engine_adapter.engine_helpers import DictConnector, Recorder, block_l
 from tests.engine_adapter.test_engine import NEW, P, assert_matches_cold
 
 
-def engine_with(model, connector: DictConnector, num_pages: int = 32) -> tuple[Engine, Recorder]:
+def engine_with(model, connector: DictConnector, num_pages: int = 32, **engine_options) -> tuple[Engine, Recorder]:
     recorder = Recorder(model)
-    return Engine(recorder, PagePool(model.config, num_pages, page_size=P), connector=connector), recorder
+    return Engine(recorder, PagePool(model.config, num_pages, page_size=P), connector=connector,
+                  **engine_options), recorder
 
 
 @pytest.mark.parametrize("pair_name", ["v3", "v32"])
@@ -70,6 +71,22 @@ def test_a_failed_load_is_recomputed(v3):
     [out] = engine.run([Request(prompt, NEW)])
     assert out.stats.load_failures == 1 and out.stats.connector_hit_tokens == 0
     assert out.stats.computed_prompt_tokens == 30 and connector.leases == set()
+    assert_matches_cold(v3.ours, recorder, prompt, out.output_ids, computed_from=0)
+    engine.check_integrity()
+
+
+@pytest.mark.parametrize("chunk_size", [512, 2])
+def test_a_load_that_fails_after_every_layer_arrived_is_recomputed(v3, chunk_size):
+    """A connector may signal layers before it knows the load is valid (SidecarConnector when the
+    slots' release comes back expired): the check after the forward (``wait``) must discard it."""
+    connector = DictConnector(block_layout(v3.ours, P))
+    prompt = prompt_ids(45, seed=20)
+    engine_with(v3.ours, connector)[0].run([Request(prompt, NEW)])
+    connector.fail_after_every_layer = True
+    engine, recorder = engine_with(v3.ours, connector, chunk_size=chunk_size)
+    [out] = engine.run([Request(prompt, NEW)])
+    assert out.stats.load_failures == 1 and out.stats.connector_hit_tokens == 0
+    assert out.stats.computed_prompt_tokens == 45
     assert_matches_cold(v3.ours, recorder, prompt, out.output_ids, computed_from=0)
     engine.check_integrity()
 
