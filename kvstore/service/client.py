@@ -367,9 +367,12 @@ class _DataPlaneLink:
         try:
             client.read(grant.data_grant, views, first_slot, timeout_s=timeout_s)
         except dataplane.DataPlaneError as exc:
-            if exc.code in (_UNAVAILABLE, _DEADLINE_EXCEEDED):
+            if exc.code in (_UNAVAILABLE, _DEADLINE_EXCEEDED, dataplane.NOT_CONNECTED):
                 with self._lock:
                     self._retry_at[grant.data_port] = time.monotonic() + self.RETRY_AFTER_S
+                    stale = self._clients.pop(grant.data_port, None) if exc.code == dataplane.NOT_CONNECTED else None
+                if stale is not None:  # the next try gets a fresh channel, not one still backing off its reconnects
+                    threading.Thread(target=stale.close, name="kvstore-dataplane-close", daemon=True).start()
                 log.warning("the sidecar's data plane at %s cannot be reached (%s): Get carries the blocks for "
                             "the next %.0f s", client.target, exc, self.RETRY_AFTER_S)
             else:

@@ -43,16 +43,18 @@ from kvstore.errors import InvalidRequest, KVStoreError
 
 log = logging.getLogger(__name__)
 
-ABI_VERSION = 5  # kvdp_abi_version() of the library these declarations match
+ABI_VERSION = 6  # kvdp_abi_version() of the library these declarations match
 GRANT_BYTES = 16
 MAX_CHUNK_BYTES = 16 << 20  # dataplane_native/server.cc: kMaxChunkBytes
 PROTOCOL_ERROR = -1  # kvdp_client_read: the stream's bytes did not fit the buffers
+NOT_CONNECTED = -2  # kvdp_client_read: no connection was ready within 3 s (or the call's timeout)
 _ERR_BYTES = 512
 _NOT_FOUND, _UNAVAILABLE = 5, 14  # grpc.StatusCode numbers
 
 
 class DataPlaneError(KVStoreError):
-    """A ReadSlots call failed; ``code`` is its gRPC status number (-1: the bytes did not fit)."""
+    """A ReadSlots call failed; ``code`` is its gRPC status number (-1: the bytes did not fit, -2: no
+    connection was ready)."""
 
     def __init__(self, code: int, message: str):
         super().__init__(message)
@@ -165,6 +167,7 @@ class DataPlaneServer:
         self._grants: dict[int, tuple[bytes, float]] = {}  # lease id -> (token, deadline)
         self._lock = threading.Lock()  # the grants, and the handle against its freeing
         self._stopping = threading.Lock()  # one stop() or restart() at a time
+        self._stopped = False  # by stop(): no restart after it
         self._ended = DataPlaneCounters(0, 0, 0, 0, 0)  # the counters of servers freed (restarts, stop)
 
     def _start(self, address: str) -> tuple[int, int]:
@@ -207,6 +210,11 @@ class DataPlaneServer:
             if held is not None and self._handle is not None:
                 self._lib.kvdp_server_revoke(self._handle, held[0], len(held[0]))
 
+    @property
+    def serving(self) -> bool:
+        """Whether a native server runs now (False after ``stop``, or while a restart failed)."""
+        return self._handle is not None
+
     def counters(self) -> DataPlaneCounters:
         """Totals over every server this object ran (restarts included); ``live_grants`` of the current one."""
         with self._lock:
@@ -222,6 +230,7 @@ class DataPlaneServer:
         """Stop serving: in-flight calls get ``grace_s`` to finish (grants and revocations still work
         meanwhile), then the server is freed. Idempotent and thread-safe."""
         with self._stopping:
+            self._stopped = True
             handle = self._handle
             if handle is None:
                 return
@@ -239,20 +248,21 @@ class DataPlaneServer:
     def restart(self) -> bool:
         """Replace the native server with a new one on the same port (its listener may have stopped
         accepting: ``DataPlaneWatchdog``). Every grant ends with the old server, and its streams
-        stop at once: their clients see the grant gone and fetch those blocks through Get. False,
-        with the data plane off from then on (GetSlots grants nothing), if it was stopped or the new
-        server cannot start (logged)."""
+        stop at once: their clients see the grant gone and fetch those blocks through Get. False
+        after ``stop``, and when the new server cannot start (logged; say the process is still out of
+        descriptors): the data plane is then off (GetSlots grants nothing, ``serving`` is False)
+        until a later ``restart`` succeeds."""
         with self._stopping:
-            handle = self._handle
-            if handle is None:
+            if self._stopped:
                 return False
-            self._lib.kvdp_server_shutdown(handle, 0.0)
-            self._free(handle)
+            if self._handle is not None:
+                self._lib.kvdp_server_shutdown(self._handle, 0.0)
+                self._free(self._handle)
             try:
                 handle, _ = self._start(f"{self.host}:{self.port}")
             except InvalidRequest as exc:
-                log.error("the data plane could not be restarted on port %d (%s): it stays off, and clients on "
-                          "other hosts get blocks through Get until the sidecar restarts", self.port, exc)
+                log.error("the data plane could not be restarted on port %d (%s): it is off, and clients on other "
+                          "hosts get blocks through Get, until a restart succeeds", self.port, exc)
                 return False
             with self._lock:
                 self._handle = handle
@@ -323,7 +333,8 @@ class DataPlaneClient:
                   timeout_s: float | None) -> DataPlaneError | None:
         """One ReadSlots call into ``views`` on ``handle``, made again once if it was UNAVAILABLE: the
         server closes a connection idle for its stream_idle_timeout_s, and a call that crosses its
-        GOAWAY meets a closed connection (the next one opens a new connection). The error, or None."""
+        GOAWAY meets a closed connection (the next one opens a new connection). Not again when no
+        connection was ready (``NOT_CONNECTED``: it already waited its bound). The error, or None."""
         pointers = (ctypes.c_void_p * len(views))(*[v.ctypes.data for v in views])
         sizes = _u64_array([v.nbytes for v in views])
         err = ctypes.create_string_buffer(_ERR_BYTES)

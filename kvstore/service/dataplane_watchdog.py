@@ -15,6 +15,7 @@ A probe that cannot be made (this process itself is out of descriptors) counts n
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import threading
 
@@ -45,10 +46,14 @@ class DataPlaneWatchdog:
                 self._restart()
 
     def probe(self) -> bool | None:
-        """Whether the data plane's listener answers now (None: could not tell)."""
-        host = "127.0.0.1" if self._data_plane.host in ("0.0.0.0", "") else self._data_plane.host
-        host = "::1" if host == "[::]" else host
-        return answers_http2(host, self._data_plane.port, self._tls, self.timeout_s)
+        """Whether the data plane's listener answers now (None: could not tell). A wildcard bind is
+        probed at 127.0.0.1 and ::1 (gRPC binds ``[::]`` to IPv4 alone where IPv6 is off): either
+        answering is enough."""
+        answers = [answers_http2(host, self._data_plane.port, self._tls, self.timeout_s)
+                   for host in probe_hosts(self._data_plane.host)]
+        if True in answers:
+            return True
+        return False if False in answers else None
 
     def _restart(self) -> None:
         log.warning("the data plane on port %d did not answer %d probes in a row (%g s apart): its listener may "
@@ -64,3 +69,13 @@ class DataPlaneWatchdog:
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join()
+
+
+def probe_hosts(host: str) -> tuple[str, ...]:
+    """Where to reach a listener bound to ``host`` (a data address's host) from this machine."""
+    bare = host.strip("[]")
+    try:
+        address = ipaddress.ip_address(bare)
+    except ValueError:  # a host name: as it resolves here
+        return (bare,)
+    return ("127.0.0.1", "::1") if address.is_unspecified else (bare,)

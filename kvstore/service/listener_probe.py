@@ -18,13 +18,16 @@ import time
 _PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 _EMPTY_SETTINGS = bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])  # length 0, type SETTINGS, no flags, stream 0
 _SETTINGS = 4
-_OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE)
+# errors that say nothing about the listener: this process is out of descriptors, or the host
+# name or address family cannot be used here
+_CANNOT_TELL = (errno.EMFILE, errno.ENFILE, errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT, errno.ENETUNREACH)
 
 
 def answers_http2(host: str, port: int, tls: bool, timeout_s: float) -> bool | None:
     """True if the listener at ``host:port`` accepted a connection and its HTTP/2 server sent its
     SETTINGS frame within ``timeout_s``; False if it refused, reset or stayed silent; None when
-    this process could not even try (out of file descriptors itself)."""
+    this process could not even try (out of file descriptors itself, a name it cannot resolve, an
+    address family the host lacks)."""
     deadline = time.monotonic() + timeout_s
     try:
         with socket.create_connection((host.strip("[]"), port), timeout=timeout_s) as raw:
@@ -32,8 +35,10 @@ def answers_http2(host: str, port: int, tls: bool, timeout_s: float) -> bool | N
             conn.settimeout(max(0.001, deadline - time.monotonic()))
             conn.sendall(_PREFACE + _EMPTY_SETTINGS)
             return _first_frame_type(conn, deadline) == _SETTINGS
+    except socket.gaierror:
+        return None
     except OSError as exc:  # ssl.SSLError and socket.timeout are OSErrors too
-        return None if exc.errno in _OUT_OF_DESCRIPTORS else False
+        return None if exc.errno in _CANNOT_TELL else False
 
 
 def _tls(raw: socket.socket, host: str, deadline: float) -> ssl.SSLSocket:

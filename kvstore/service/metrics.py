@@ -304,9 +304,13 @@ class DataPlaneCollector:
             yield CounterMetricFamily(name, help_text, value=getattr(counters, field_name))
         yield GaugeMetricFamily("kvstore_dataplane_grants", "Grants of live leases the data plane holds",
                                 value=counters.live_grants)
+        yield GaugeMetricFamily("kvstore_dataplane_up", "1 while the native data plane serves, 0 while a restart "
+                                "of it has failed (DataPlaneWatchdog retries) or it has stopped",
+                                value=int(self._data_plane.serving))
 
 
-DATA_PLANE_METRIC_NAMES = (*(name + "_total" for name, _, _ in DataPlaneCollector.COUNTERS), "kvstore_dataplane_grants")
+DATA_PLANE_METRIC_NAMES = (*(name + "_total" for name, _, _ in DataPlaneCollector.COUNTERS), "kvstore_dataplane_grants",
+                           "kvstore_dataplane_up")
 METRIC_NAMES = (  # every sample family /metrics exports (counters with their _total suffix)
     "kvstore_lookups_total", "kvstore_lookup_tokens_total", "kvstore_hit_tokens_total",
     "kvstore_loaded_tokens_total", "kvstore_loaded_bytes_total", "kvstore_prefill_tokens_saved_total",

@@ -179,8 +179,8 @@ async def serve(config: ServeConfig, store_config: StoreConfig, ready: Callable[
         serving.clear()
         await health.enter_graceful_shutdown()
         stopping = [server.stop(config.shutdown_grace_s)]
-        if watchdog is not None:  # no restart races the shutdown
-            await asyncio.to_thread(watchdog.stop)
+        if watchdog is not None:  # beside the rest: a restart it is making finishes before stop() takes over
+            stopping.append(asyncio.to_thread(watchdog.stop))
         if data_plane is not None:  # its streams get the same grace, at the same time
             stopping.append(asyncio.to_thread(data_plane.stop, config.shutdown_grace_s))
         await asyncio.gather(*stopping)

@@ -141,15 +141,22 @@ class ReadCall {
 
 // A listener that stopped accepting still completes TCP connects (the kernel does), and a call
 // would wait out its whole deadline for the server's HTTP/2 settings: a connection that is not
-// ready within this (or the call's timeout, if shorter) fails the read UNAVAILABLE instead.
+// ready within this (or the call's timeout, if shorter) fails the read kNotConnected instead.
+// A channel in TRANSIENT_FAILURE (its last connect failed: refused, reset) fails at once, as a
+// call without wait-for-ready would.
 constexpr double kConnectTimeoutS = 3.0;
 
 bool connected(DataPlaneClient* client, double timeout_s) {
-  if (client->channel->GetState(false) == GRPC_CHANNEL_READY) return true;
   double bound = timeout_s > 0 ? std::min(timeout_s, kConnectTimeoutS) : kConnectTimeoutS;
-  return client->channel->WaitForConnected(std::chrono::system_clock::now() +
-                                           std::chrono::duration_cast<std::chrono::system_clock::duration>(
-                                               std::chrono::duration<double>(bound)));
+  auto deadline = std::chrono::system_clock::now() +
+                  std::chrono::duration_cast<std::chrono::system_clock::duration>(std::chrono::duration<double>(bound));
+  grpc_connectivity_state state = client->channel->GetState(true);  // an idle channel starts connecting
+  while (state != GRPC_CHANNEL_READY) {
+    if (state == GRPC_CHANNEL_TRANSIENT_FAILURE || state == GRPC_CHANNEL_SHUTDOWN) return false;
+    if (!client->channel->WaitForStateChange(state, deadline)) return false;
+    state = client->channel->GetState(true);
+  }
+  return true;
 }
 
 grpc::ChannelArguments channel_arguments() {
@@ -194,8 +201,9 @@ void* kvdp_client_open(const char* target, const char* root_pem, const char* bea
 
 // ReadSlots with grant, its slots [first_slot, first_slot + n): the stream's bytes fill dsts[0..n)
 // (sizes[i] bytes each) in order. Returns
-// 0 when exactly that many bytes arrived, a gRPC status code when the call failed, or -1 when the
-// stream's bytes did not fit the buffers; dsts then hold partial bytes the caller must discard.
+// 0 when exactly that many bytes arrived, a gRPC status code when the call failed, -1 when the
+// stream's bytes did not fit the buffers (dsts then hold partial bytes the caller must discard),
+// or -2 when no connection was ready (kNotConnected: nothing was sent).
 int kvdp_client_read(void* handle, const uint8_t* grant, size_t grant_len, uint32_t first_slot, size_t n,
                      uint8_t* const* dsts, const uint64_t* sizes, uint32_t chunk_bytes, double timeout_s, char* err,
                      size_t errlen) {
@@ -204,8 +212,8 @@ int kvdp_client_read(void* handle, const uint8_t* grant, size_t grant_len, uint3
   if (!connected(client, timeout_s)) {
     int bound_ms = static_cast<int>(1000 * (timeout_s > 0 ? std::min(timeout_s, kConnectTimeoutS) : kConnectTimeoutS));
     set_error(err, errlen, "no connection to the data plane was ready within " + std::to_string(bound_ms) +
-                               " ms (is its listener accepting?)");
-    return static_cast<int>(grpc::StatusCode::UNAVAILABLE);
+                               " ms (refused, or its listener is not accepting)");
+    return kNotConnected;
   }
   Destinations destinations(n, dsts, sizes);
   ReadCall call(client, timeout_s);

@@ -12,6 +12,7 @@ namespace kvdp {
 
 constexpr char kMethod[] = "/kvstore.v1.BlockData/ReadSlots";
 constexpr int kProtocolError = -1;  // the stream's bytes do not match what the caller expects
+constexpr int kNotConnected = -2;  // no connection was ready within the client's connect bound
 constexpr uint32_t kMaxChunkBytes = 16u << 20;
 constexpr uint32_t kMinChunkBytes = 64u << 10;  // a request for smaller chunks gets these: chunk_size
 constexpr int kLookaheadBytes = 64 << 20;  // HTTP/2 stream window: a whole transfer in flight

@@ -388,7 +388,7 @@ using namespace kvdp;  // the C ABI below wraps the classes above
 extern "C" {
 
 // Bumped whenever a signature below changes: dataplane.py refuses a library of another version.
-int kvdp_abi_version() { return 5; }
+int kvdp_abi_version() { return 6; }
 
 // Starts a server on address (HOST:PORT, port 0 picks one) over the segment file at segment_path,
 // mapped read-only. cert_pem/key_pem: TLS (both or neither); bearer: required token, or NULL.

@@ -4,7 +4,9 @@ process whose descriptors run out."""
 from __future__ import annotations
 
 import re
+import shutil
 import socket
+import threading
 import time
 import urllib.request
 
@@ -15,7 +17,9 @@ from kvstore.keys import Namespace, namespace_hashes
 from kvstore.layout import BlockSpec
 from kvstore.service import dataplane
 from kvstore.service.client import KVStoreClient
-from kvstore.service.dataplane import DataPlaneClient, DataPlaneError, DataPlaneServer
+from kvstore.errors import InvalidRequest
+from kvstore.service.dataplane import NOT_CONNECTED, DataPlaneClient, DataPlaneError, DataPlaneServer
+from kvstore.service.dataplane_watchdog import DataPlaneWatchdog, probe_hosts
 from kvstore.service.listener_probe import answers_http2
 from kvstore.service.local import LocalSidecar
 from tests.kvstore.service.test_dataplane import NOT_FOUND, REGIONS, buffers, expect
@@ -76,11 +80,98 @@ def test_a_restart_keeps_the_port_and_the_counts_and_ends_every_grant(segment):
     assert server.counters().calls == 3, "counts survive the stop"
 
 
+def test_a_restart_that_cannot_start_leaves_the_data_plane_off_until_one_can(segment, monkeypatch):
+    server = DataPlaneServer("127.0.0.1:0", segment[0])
+    start = server._start
+    try:
+        def refused(address):
+            raise InvalidRequest("the data plane cannot start: Too many open files")
+        monkeypatch.setattr(server, "_start", refused)
+        assert server.restart() is False
+        assert not server.serving and server.grant(1, REGIONS[:1], ttl_s=30) is None
+        monkeypatch.setattr(server, "_start", start)
+        assert server.restart() is True and server.serving and server.restarts == 1
+        client = DataPlaneClient(f"127.0.0.1:{server.port}")
+        dsts = buffers(REGIONS[:1])
+        client.read(server.grant(2, REGIONS[:1], ttl_s=30), dsts, timeout_s=10)
+        expect(segment, REGIONS[:1], dsts)
+        client.close()
+    finally:
+        server.stop()
+
+
+class ScriptedWatchdog(DataPlaneWatchdog):
+    """Probe answers from a script (then True), so the threshold logic runs against a real server."""
+
+    def __init__(self, data_plane, answers):
+        self.answers, self.done = list(answers), threading.Event()
+        super().__init__(data_plane, tls=False, interval_s=0.02)
+
+    def probe(self):
+        if not self.answers:
+            self.done.set()
+            return True
+        return self.answers.pop(0)
+
+
+@pytest.mark.parametrize("answers, restarts", [
+    ([True, False, True, False, None, True], 0),  # never two unanswered probes in a row
+    ([False, None, False, True], 1),  # a probe that could not tell does not break the run
+    ([False, False, False, False], 2),
+])
+def test_the_watchdog_restarts_after_two_unanswered_probes_in_a_row(segment, answers, restarts):
+    server = DataPlaneServer("127.0.0.1:0", segment[0])
+    watchdog = ScriptedWatchdog(server, answers)
+    try:
+        assert watchdog.done.wait(10)
+        watchdog.stop()
+        assert server.restarts == restarts and server.serving
+    finally:
+        watchdog.stop()
+        server.stop()
+
+
+@pytest.mark.parametrize("host, expected", [
+    ("0.0.0.0", ("127.0.0.1", "::1")), ("[::]", ("127.0.0.1", "::1")), ("127.0.0.1", ("127.0.0.1",)),
+    ("[::1]", ("::1",)), ("10.0.0.7", ("10.0.0.7",)), ("localhost", ("localhost",)),
+])
+def test_the_watchdog_probes_a_wildcard_bind_on_both_loopbacks(host, expected):
+    assert probe_hosts(host) == expected
+
+
+def test_a_read_from_a_port_nobody_listens_on_fails_at_once_without_a_second_try():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    client = DataPlaneClient(f"127.0.0.1:{port}")
+    try:
+        for _ in range(2):
+            started = time.monotonic()
+            with pytest.raises(DataPlaneError) as info:
+                client.read(b"x" * 16, buffers(REGIONS[:1]), timeout_s=20)
+            assert info.value.code == NOT_CONNECTED and time.monotonic() - started < 2.5
+    finally:
+        client.close()
+
+
+def test_a_read_from_a_listener_that_never_answers_gives_up_after_its_connect_bound():
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        client = DataPlaneClient(f"127.0.0.1:{silent.getsockname()[1]}")
+        started = time.monotonic()
+        with pytest.raises(DataPlaneError) as info:
+            client.read(b"x" * 16, buffers(REGIONS[:1]), timeout_s=20)
+        assert info.value.code == NOT_CONNECTED and 2.5 < time.monotonic() - started < 5, "not once 3 s"
+        client.close()
+
+
 def _metric(url: str, name: str) -> float:
     text = urllib.request.urlopen(url + "metrics", timeout=10).read().decode()
     return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
 
 
+@pytest.mark.skipif(shutil.which("prlimit") is None, reason="needs prlimit (util-linux)")
 def test_a_data_plane_whose_descriptors_ran_out_is_restarted_and_serves_again(tmp_path):
     """gRPC 1.51's listener never accepts again after an accept failed for want of a descriptor
     (grpc/grpc#20418). The sidecar runs with a 256-descriptor limit and the test opens more
@@ -97,6 +188,9 @@ def test_a_data_plane_whose_descriptors_ran_out_is_restarted_and_serves_again(tm
         writer.put(ns_id, hashes, payloads)
         grant = writer.get_slots(ns_id, hashes)
         writer.release(grant.lease_id)
+        time.sleep(1.5)  # probes of a healthy data plane
+        assert _metric(sidecar.url, "kvstore_dataplane_restarts_total") == 0
+        assert _metric(sidecar.url, "kvstore_dataplane_up") == 1
 
         flood = []
         try:
@@ -109,7 +203,7 @@ def test_a_data_plane_whose_descriptors_ran_out_is_restarted_and_serves_again(tm
         deadline = time.monotonic() + 30
         while _metric(sidecar.url, "kvstore_dataplane_restarts_total") < 1 and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert _metric(sidecar.url, "kvstore_dataplane_restarts_total") == 1
+        assert _metric(sidecar.url, "kvstore_dataplane_restarts_total") >= 1
         assert "restarting it" in sidecar.log() and "Too many open files" in sidecar.log()
 
         calls = _metric(sidecar.url, "kvstore_dataplane_calls_total")

@@ -84,6 +84,9 @@ def test_kill_9_during_durable_puts_loses_nothing_acknowledged_and_shows_nothing
     assert report["clean"] and report["corrupt_records"] == 0 and report["ok"] >= len(acknowledged)
 
 
+LEASE_TTL_S = 4.0  # the first flood must end within it on a slow machine: it took over 1.5 s once
+
+
 def test_a_client_that_dies_holding_a_lease_pins_its_blocks_only_until_the_ttl(make_store, start_server, namespace,
                                                                                spec, chain):
     store = make_store(host_bytes=1 << 20, disk_bytes=None)
@@ -91,14 +94,16 @@ def test_a_client_that_dies_holding_a_lease_pins_its_blocks_only_until_the_ttl(m
     with KVStoreClient(server.target, timeout_s=10) as client:
         ns_id = client.register_namespace(namespace)
         client.put(ns_id, chain[:5], payloads_for(spec, chain[:5]))
+    taken = time.monotonic()
     holder = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
         import os
         from kvstore.service.client import KVStoreClient
         client = KVStoreClient({server.target!r})
-        hit = client.lookup({ns_id!r}, {chain[:5]!r}, lease_ttl_s=1.5)
+        hit = client.lookup({ns_id!r}, {chain[:5]!r}, lease_ttl_s={LEASE_TTL_S})
         print(hit.lease_id, flush=True)
         os._exit(0)  # dies without releasing
     """)], capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": REPO})
+    granted_by = time.monotonic()  # the lease was granted between taken and this
     assert holder.returncode == 0 and holder.stdout.strip().isdigit(), holder.stderr
     assert store.stats().leases_active == 1
 
@@ -109,8 +114,9 @@ def test_a_client_that_dies_holding_a_lease_pins_its_blocks_only_until_the_ttl(m
                 client.put(ns_id, [block_hash], payloads_for(spec, [block_hash]))
 
     flood(100_000)
+    assert time.monotonic() - taken < LEASE_TTL_S, "the machine is too slow for this test's lease TTL"
     assert store.lookup(ns_id, chain[:5]).hit_blocks == 5, "pinned by the dead client's lease meanwhile"
-    time.sleep(1.6)
+    time.sleep(max(0.0, granted_by + LEASE_TTL_S + 0.1 - time.monotonic()))
     flood(200_000)
     stats = store.stats()
     assert stats.leases_active == 0 and stats.lease_expiries == 1
