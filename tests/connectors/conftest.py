@@ -10,30 +10,29 @@ from tests.connectors.sidecar_server import Sidecar
 from tests.connectors.test_store_connector import NS
 
 
+def _tracked(make, end):
+    """A fixture's body: yields a factory calling ``make``, then ``end``s everything it made."""
+    made = []
+
+    def factory(*args, **kwargs):
+        made.append(make(*args, **kwargs))
+        return made[-1]
+
+    yield factory
+    for thing in made:
+        end(thing)
+
+
 @pytest.fixture
 def sidecars():
-    started = []
-
-    def start(store, **kw) -> Sidecar:
-        started.append(Sidecar(store, **kw))
-        return started[-1]
-
-    yield start
-    for sidecar in started:
-        sidecar.stop()
+    """``sidecars(store, **kw)``: a started ``Sidecar``, stopped after the test."""
+    yield from _tracked(Sidecar, Sidecar.stop)
 
 
 @pytest.fixture
 def connectors():
-    made = []
-
-    def make(*args, **kw) -> SidecarConnector:
-        made.append(SidecarConnector(*args, **kw))
-        return made[-1]
-
-    yield make
-    for connector in made:
-        connector.close()
+    """``connectors(target, namespace, **kw)``: a ``SidecarConnector``, closed after the test."""
+    yield from _tracked(SidecarConnector, SidecarConnector.close)
 
 
 @pytest.fixture
