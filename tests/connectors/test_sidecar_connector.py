@@ -4,6 +4,7 @@ Each connector has its own client, as each engine process would: what one saves,
 """
 
 import logging
+import shutil
 import tempfile
 import threading
 import time
@@ -256,8 +257,17 @@ def test_a_hung_sidecar_costs_one_short_lookup_then_misses_at_once_until_it_answ
         time.sleep(0.1)
 
 
-def test_a_restarted_sidecar_is_used_again_and_gets_the_namespace_again(make_store, sidecars, connectors, hashes):
-    address = f"unix:{tempfile.mkdtemp(prefix='kvs-')}/sidecar.sock"
+@pytest.fixture
+def socket_dir():
+    """A directory for a unix socket, short enough for its path limit (pytest's tmp_path is not)."""
+    directory = tempfile.mkdtemp(prefix="kvs-")
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_a_restarted_sidecar_is_used_again_and_gets_the_namespace_again(make_store, sidecars, connectors, hashes,
+                                                                       socket_dir):
+    address = f"unix:{socket_dir}/sidecar.sock"
     first = sidecars(make_store(), address=address)
     connector = connectors(address, NS, timeout_s=5)
     connector.save("a", hashes[:2], [0, 1], BytePool(2, seed=5), parent=None)
