@@ -37,13 +37,16 @@ class DataPlaneWatchdog:
     def _run(self) -> None:
         unanswered = 0
         while not self._stop.wait(self.interval_s):
-            answered = self.probe()
-            if answered is None:
-                continue
-            unanswered = 0 if answered else unanswered + 1
-            if unanswered >= self.failures and not self._stop.is_set():
-                unanswered = 0
-                self._restart()
+            try:
+                answered = self.probe()
+                if answered is None:
+                    continue
+                unanswered = 0 if answered else unanswered + 1
+                if unanswered >= self.failures and not self._stop.is_set():
+                    unanswered = 0
+                    self._restart()
+            except Exception:  # the watchdog must outlive any one round's surprise
+                log.exception("the data plane watchdog's round failed; it goes on probing")
 
     def probe(self) -> bool | None:
         """Whether the data plane's listener answers now (None: could not tell). A wildcard bind is

@@ -111,13 +111,17 @@ class ScriptedWatchdog(DataPlaneWatchdog):
         if not self.answers:
             self.done.set()
             return True
-        return self.answers.pop(0)
+        answer = self.answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
 
 
 @pytest.mark.parametrize("answers, restarts", [
     ([True, False, True, False, None, True], 0),  # never two unanswered probes in a row
     ([False, None, False, True], 1),  # a probe that could not tell does not break the run
     ([False, False, False, False], 2),
+    ([False, RuntimeError("a probe that raised"), False, True], 1),  # the round is skipped, the thread goes on
 ])
 def test_the_watchdog_restarts_after_two_unanswered_probes_in_a_row(segment, answers, restarts):
     server = DataPlaneServer("127.0.0.1:0", segment[0])
