@@ -106,8 +106,12 @@ def test_a_put_that_trickles_is_ended_and_frees_its_slot(store, start_server, na
 
 
 def test_a_get_read_too_slowly_is_ended_and_ends_its_lease(store, start_server, namespace, spec):
-    """Each message taken inside the idle timeout, but 9 KiB a 0.1 s: far below the floor rate."""
-    limits = ServiceLimits(stream_idle_timeout_s=1.0, max_concurrent_transfers=1)
+    """Each message taken inside the idle timeout, but 9 KiB a 0.1 s: far below the floor rate.
+
+    The server can write several messages ahead into the flow-control window, so one of its
+    waits can span several of our reads (0.7 s and more was seen): the idle timeout is kept well
+    above that, or it, not the floor rate, would end the stream."""
+    limits = ServiceLimits(stream_idle_timeout_s=3.0, max_concurrent_transfers=1, max_transfer_blocks=64)
     server = start_server(store, limits)
     hashes = namespace_hashes(namespace, np.arange(64 * namespace.block_size))
     with KVStoreClient(server.target, timeout_s=10) as client:
@@ -118,9 +122,9 @@ def test_a_get_read_too_slowly_is_ended_and_ends_its_lease(store, start_server, 
     # no BDP probing: the flow-control window stays small, so the server's writes wait on our reads
     with grpc.insecure_channel(server.target, options=[("grpc.http2.bdp_probe", 0)]) as channel:
         stub = KVStoreStub(channel)
-        lease_id = stub.Lookup(pb.LookupRequest(namespace_id=ns_id, block_hashes=hashes[:32], lease_ttl_s=60)).lease_id
-        stream = stub.Get(pb.GetRequest(namespace_id=ns_id, block_hashes=hashes[:32], lease_id=lease_id,
-                                        stream_as_loaded=True))  # 32 blocks of 9,216 bytes, a message each
+        lease_id = stub.Lookup(pb.LookupRequest(namespace_id=ns_id, block_hashes=hashes, lease_ttl_s=60)).lease_id
+        stream = stub.Get(pb.GetRequest(namespace_id=ns_id, block_hashes=hashes, lease_id=lease_id,
+                                        stream_as_loaded=True))  # 64 blocks of 9,216 bytes, a message each
         with pytest.raises(grpc.RpcError) as info:
             for _ in stream:
                 time.sleep(0.1)
