@@ -52,8 +52,8 @@ class StoreConnector(KVConnector):
                  max_pending_save_bytes: int = DEFAULT_MAX_PENDING_SAVE_BYTES):
         """``load_timeout_s``: how long the engine waits for a load before it gives up on it and
         recomputes (``BackgroundLoad``); None waits forever. ``lookup_timeout_s``: how long a
-        lookup waits for the store's lock (held through disk I/O by an eviction, say) before it
-        answers a miss. Ending a lease never waits on the engine's thread: a busy store's lock
+        lookup waits for the store's lock (never held through disk I/O, but its holder can be
+        descheduled) before it answers a miss. Ending a lease never waits on the engine's thread: a busy store's lock
         hands it to a thread of its own. ``max_pending_save_bytes``: saves waiting for the store
         beyond this are dropped (``SaveWriter``). ``lease_ttl_s``: how long a lookup pins its hit
         for the load, in (0, ``kvstore.store.MAX_LEASE_TTL_S``]; anything else raises ``ValueError``."""

@@ -1,6 +1,7 @@
 """Placement across tiers: storing one block of a put in the fastest tier with room, making room
 by policy (never by evicting the only copy of the block's parent), writing, publishing (never a
-block that would be its own ancestor), write-through, demotion, promotion.
+block that would be its own ancestor), write-through, demotion, promotion. No tier I/O happens
+under the lock: writes and demotions run between holdings of it, evictions only discard.
 
 ``PlacementMixin`` is half of ``TieredStore`` (kept apart to keep each file to one concern). It
 expects the host class to provide ``tiers``, ``_policies``, ``_lock`` (re-entrant), ``_leases``,
@@ -13,6 +14,7 @@ themselves and copy bytes outside it.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import NamedTuple
 
 import numpy as np
 
@@ -73,22 +75,19 @@ class PlacementMixin:
         resident (``_would_loop``), checked at publication, under the lock: two puts racing to
         store ``[A]`` under ``B`` and ``[B]`` under ``A`` both pass ``put``'s check at their start,
         and the second to publish is refused, its bytes removed (the victim evicted to make its
-        room is not restored; a race is rare, so the check is not repeated before making room)."""
+        room is not restored; a race is rare, so the check is not repeated before making room).
+        The caller does not hold the lock: room is made, and the block written, outside it."""
         tier = self.tiers[t]
         for _ in range(3):  # another thread may take the room between eviction and write
-            with self._lock:
-                if self._bits(key) >> t & 1:
-                    return True
-                keep = meta.parent if self._only_copy(t, meta.parent) else None
-                if (t, key) in self._placing or not self._make_room(t, meta.nbytes, keep, meta.parent):
-                    return False
-                self._placing.add((t, key))
+            claimed = self._claim_room(t, key, meta)
+            if claimed is not True:
+                return claimed is None
             try:
                 written = tier.write(key, payload, meta)
                 if written:
                     with self._lock:
                         if self._would_loop({key}, meta.parent):
-                            tier.remove(key)
+                            tier.discard(key)
                             return False
                         self._publish(t, key, meta)
             finally:
@@ -97,6 +96,28 @@ class PlacementMixin:
             if written:
                 return True
         return False
+
+    def _claim_room(self, t: int, key: bytes, meta: BlockMeta) -> bool | None:
+        """Make room for ``key`` in tier ``t`` and mark it as being written there (``_placing``):
+        True once room is made, None when the tier holds it already, False when no room can be
+        made or another thread is writing it there. Victims that are demoted are copied down
+        between two holdings of the lock (``_demote``), so lookups never wait for that copy; a
+        victim its demotion could not move out of the tier is not offered again."""
+        tried: set[bytes] = set()
+        while True:
+            with self._lock:
+                if self._bits(key) >> t & 1:
+                    return None
+                if (t, key) in self._placing:
+                    return False
+                keep = meta.parent if self._only_copy(t, meta.parent) else None
+                room = self._make_room(t, meta.nbytes, keep, meta.parent, tried)
+                if room is True:
+                    self._placing.add((t, key))
+                if room is True or room is False:
+                    return room
+            if not self._demote(room):
+                tried.add(room.key)
 
     def _only_copy(self, t: int, key: bytes | None) -> bool:
         """Whether evicting ``key`` from tier ``t`` would drop its last copy: no other tier holds
@@ -137,8 +158,7 @@ class PlacementMixin:
     def _resident_parent(self, key: bytes) -> bytes | None:
         """The parent of resident ``key``; None at a chain's head or when no tier holds it."""
         bits = self._bits(key)
-        meta = next((tier.meta(key) for t, tier in enumerate(self.tiers) if bits >> t & 1), None)
-        return None if meta is None else meta.parent
+        return next((tier.parent_of(key) for t, tier in enumerate(self.tiers) if bits >> t & 1), None)
 
     def _write_through(self, key: bytes, source: int, meta: BlockMeta) -> None:
         if self.write_policy != "write_through":
@@ -165,15 +185,18 @@ class PlacementMixin:
                 self._leases.unpin([key])
                 self._bury_doomed([key])
 
-    def _make_room(self, t: int, nbytes: int, keep: bytes | None = None, parent: bytes | None = None) -> bool:
-        """Evict victims of tier ``t`` (by its policy) until ``nbytes`` fit. False, with nothing
-        more evicted, once the policy's next victim is ``keep``: the parent of the block that needs
-        the room when this tier holds its only copy (``_only_copy``), a leaf until that block is
-        stored. Evicting it would leave the block unreachable below it, and skipping it would let
-        a chain longer than the tier's free room push out blocks its policy values more. No victim
-        goes whose loss strands resident children (``_evictable``), nor, where eviction demotes
-        and the tier below has no room for it, ``parent`` (the block needing the room is a child
-        of it). Caller holds the lock."""
+    def _make_room(self, t: int, nbytes: int, keep: bytes | None = None, parent: bytes | None = None,
+                   tried: set[bytes] = frozenset()) -> "bool | Demotion":
+        """Evict victims of tier ``t`` (by its policy) until ``nbytes`` fit: True then, or the
+        first victim to demote (pinned, a ``Demotion`` for the caller to carry out once it has
+        let the lock go). False, with nothing more evicted, once the policy's next victim is
+        ``keep``: the parent of the block that needs the room when this tier holds its only copy
+        (``_only_copy``), a leaf until that block is stored. Evicting it would leave the block
+        unreachable below it, and skipping it would let a chain longer than the tier's free room
+        push out blocks its policy values more. No victim goes whose loss strands resident
+        children (``_evictable``), nor, where eviction demotes and the tier below has no room for
+        it, ``parent`` (the block needing the room is a child of it: ``_demote`` keeps it), and
+        none in ``tried`` (whose demotion left them in place) is offered. Caller holds the lock."""
         tier = self.tiers[t]
         if tier.footprint(nbytes) > tier.capacity_bytes:
             return False
@@ -183,6 +206,8 @@ class PlacementMixin:
         if self._drop_shadows(t, nbytes):
             return True
         evictable = self._evictable(t)
+        if tried:
+            evictable = lambda k, untried=evictable: k not in tried and untried(k)  # noqa: E731
         for helping_only in (True, False):
             victims = self._policies[t].victims(
                 lambda k: evictable(k) and (not helping_only or tier.eviction_helps(k, nbytes)))
@@ -190,8 +215,9 @@ class PlacementMixin:
                 for victim in victims:
                     if victim == keep:
                         return False
-                    if not self._evict(t, victim, needed=victim == parent):
-                        continue
+                    demotion = self._evict(t, victim, needed=victim == parent)
+                    if demotion is not None:
+                        return demotion
                     if tier.can_fit(nbytes):
                         return True
             finally:
@@ -206,40 +232,79 @@ class PlacementMixin:
         tier = self.tiers[t]
         eligible = lambda k: not self._leases.is_pinned(k) and tier.eviction_helps(k, nbytes)  # noqa: E731
         while (key := self._shadows.oldest(t, eligible)) is not None:
-            tier.remove(key)
-            self._forget(key, t)
-            self._counters[f"evictions:{t}"] += 1
+            self._drop(t, key)
             if tier.can_fit(nbytes):
                 return True
         return False
 
-    def _evict(self, t: int, key: bytes, needed: bool = False) -> bool:
-        """Remove ``key`` from tier ``t``, demoting it first where the write policy says so. False,
-        with nothing removed, when the tier below has no room for it and dropping it would strand
-        resident children, or it is ``needed`` (the parent of the block being stored). A block
-        that cannot be read for its demotion goes all the same (its chain is broken there anyway).
-        Caller holds the lock."""
-        lower = t + 1
-        if self._demotes(t) and not self._bits(key) >> lower:
-            meta = self.tiers[t].meta(key)
-            payload = self.tiers[t].view(key)
+    def _evict(self, t: int, key: bytes, needed: bool = False) -> "Demotion | None":
+        """Remove ``key`` from tier ``t`` and return None; or, where the write policy demotes it
+        and no lower tier holds it yet, pin it and return the ``Demotion`` to carry out (``needed``:
+        it is the parent of the block being stored). Caller holds the lock."""
+        if self._demotes(t) and not self._bits(key) >> (t + 1):
+            self._leases.pin([key])
+            return Demotion(t, key, needed)
+        self._drop(t, key)
+        return None
+
+    def _demote(self, demotion: "Demotion") -> bool:
+        """Copy a pinned victim into the tier below, then drop it from its own tier; called
+        without the lock, so the copy (a disk write, say) holds up no lookup. True when the victim
+        left its tier. It stays when another reader pinned it meanwhile, or when the tier below
+        had no room and dropping it would strand resident children or it is ``needed``. A victim
+        that cannot be read for its demotion goes all the same (its chain is broken there anyway)."""
+        t, key = demotion.tier, demotion.key
+        source, demoted, readable = self.tiers[t], False, False
+        try:
+            meta = source.meta(key)
+            payload = source.view(key)
             if payload is None and meta is not None:
                 payload = np.empty(meta.nbytes, np.uint8)
-                payload = payload if self.tiers[t].read(key, payload) else None
-            if meta is not None and payload is not None:
-                if self._place(lower, key, payload, meta):
-                    self._counters[f"demotions_in:{lower}"] += 1
-                elif needed or self._strands_children(t, key):
-                    return False
-        self.tiers[t].remove(key)
+                payload = payload if source.read(key, payload) else None
+            readable = meta is not None and payload is not None
+            demoted = readable and self._place(t + 1, key, payload, meta)
+        finally:
+            with self._lock:
+                self._leases.unpin([key])
+                if demoted:
+                    self._counters[f"demotions_in:{t + 1}"] += 1
+                droppable = demoted or not readable or not (demotion.needed or self._strands_children(t, key))
+                gone = droppable and bool(self._bits(key) >> t & 1) and not self._leases.is_pinned(key)
+                if gone:
+                    self._drop(t, key)
+                self._bury_doomed([key])
+        return gone
+
+    def _drop(self, t: int, key: bytes) -> None:
+        """Remove ``key`` from tier ``t`` and count the eviction (the tier gives its space back to
+        the medium later, outside the lock: ``Tier.discard``). Caller holds the lock."""
+        self.tiers[t].discard(key)
         self._forget(key, t)
         self._counters[f"evictions:{t}"] += 1
-        return True
 
     def _make_room_for_shrink(self, t: int) -> bool:
         """Evict one victim of tier ``t`` (a tier reopened with less capacity); False when none can go."""
-        victims = self._policies[t].victims(self._evictable(t))
-        try:
-            return any(self._evict(t, victim) for victim in victims)
-        finally:
-            victims.close()
+        tried: set[bytes] = set()
+        while True:
+            with self._lock:
+                evictable = self._evictable(t)
+                victims = self._policies[t].victims(lambda k: k not in tried and evictable(k))
+                try:
+                    victim = next(victims, None)
+                    demotion = None if victim is None else self._evict(t, victim)
+                finally:
+                    victims.close()
+            if victim is None:
+                return False
+            if demotion is None or self._demote(demotion):
+                return True
+            tried.add(victim)
+
+
+class Demotion(NamedTuple):
+    """A victim of tier ``tier``, pinned, to copy into the tier below and then drop
+    (``PlacementMixin._demote``); ``needed``: it is the parent of the block that needs the room."""
+
+    tier: int
+    key: bytes
+    needed: bool

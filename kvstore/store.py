@@ -12,12 +12,15 @@ bytes between tiers by two knobs:
   Under ``on_eviction`` the lower copy stays until its tier needs room, and then goes first
   (``kvstore/shadows.py``).
 
-Concurrency: one lock guards the directory, policies and pins; byte copies run outside it. A
-block is pinned (by a lease or by the store itself) whenever bytes are being read from it, and a
-pinned block is never evicted or removed. The lock can be held through disk I/O (an eviction's
-removal or demotion), so callers that must not wait long bound their wait (``lookup(wait_s=)``,
-``try_release``). Placement lives in ``kvstore/placement.py``, what a lease's holder may do in
-``kvstore/lease_holders.py``.
+Concurrency: one lock guards the directory, policies and pins; byte copies run outside it, and
+so does all disk I/O. A block is pinned (by a lease or by the store itself) whenever bytes are
+being read from it, and a pinned block is never evicted or removed. A victim that is demoted is
+pinned and copied down between two holdings of the lock (``PlacementMixin._demote``), and a tier
+evicts under the lock only in its books (``Tier.discard``), giving the space back to the medium
+at its next write or ``reclaim``. Callers that must not wait long still bound their wait for the
+lock (``lookup(wait_s=)``, ``try_release``): a thread holding it can be descheduled, and a
+policy's work under it grows with the tier. Placement lives in ``kvstore/placement.py``, what a
+lease's holder may do in ``kvstore/lease_holders.py``.
 """
 
 from __future__ import annotations
@@ -130,9 +133,9 @@ class TieredStore(PlacementMixin, LeaseHolderMixin):
                wait_s: float | None = None) -> LookupResult:
         """Longest contiguous run of present blocks; changes nothing but the optional lease.
 
-        ``wait_s`` bounds the wait for the store's lock, which a thread may hold through disk I/O
-        (an eviction's removal or demotion): past it the answer is a miss (counted as
-        ``busy_lookups``) instead of a wait on a disk that hangs. None waits as long as it takes."""
+        ``wait_s`` bounds the wait for the store's lock (held for bookkeeping only, never through
+        disk I/O, but a busy machine can deschedule its holder): past it the answer is a miss
+        (counted as ``busy_lookups``) instead of a wait. None waits as long as it takes."""
         spec = self.spec(ns_id)
         if lease_ttl_s is not None and not 0 < lease_ttl_s <= MAX_LEASE_TTL_S:
             raise InvalidRequest(f"lease_ttl_s must be in (0, {MAX_LEASE_TTL_S:g}] seconds, got {lease_ttl_s}: "
@@ -360,7 +363,7 @@ class TieredStore(PlacementMixin, LeaseHolderMixin):
         bits = self._bits(key)
         for t, tier in enumerate(self.tiers):
             if bits >> t & 1:
-                tier.remove(key)
+                tier.discard(key)
                 self._forget(key, t)
 
     def _adopt_resident_blocks(self) -> None:
@@ -408,7 +411,9 @@ class TieredStore(PlacementMixin, LeaseHolderMixin):
                 else:
                     self._remove_everywhere(key)
             self._doomed.update(key for key in self._inflight if key.startswith(ns_id))
-            return len(keys)
+        for tier in self.tiers:  # the media get the space back now, outside the lock
+            tier.reclaim()
+        return len(keys)
 
     def flush(self) -> None:
         """Wait for background writes, then make every tier's completed writes durable."""

@@ -11,6 +11,8 @@ Contract shared by all tiers:
   and reported as a miss: a tier never hands out wrong bytes.
 - Every method is safe to call from several threads. The store guarantees that a block being
   read is not removed concurrently (it pins it).
+- ``discard`` does no I/O and never waits for another thread's I/O: the store calls it under its
+  lock, which lookups wait for.
 """
 
 from __future__ import annotations
@@ -106,6 +108,13 @@ class Tier(ABC):
     @abstractmethod
     def meta(self, key: bytes) -> BlockMeta | None: ...
 
+    def parent_of(self, key: bytes) -> bytes | None:
+        """The parent of resident ``key`` (None at a chain's head or when not resident), with no
+        I/O: the store asks it under its lock. Default: from ``meta``, for tiers whose ``meta``
+        does no I/O."""
+        meta = self.meta(key)
+        return None if meta is None else meta.parent
+
     @abstractmethod
     def items(self) -> Iterator[tuple[bytes, BlockMeta]]:
         """Snapshot of every resident block (for the store to rebuild its directory)."""
@@ -129,6 +138,16 @@ class Tier(ABC):
     @abstractmethod
     def remove(self, key: bytes) -> bool:
         """Forget ``key`` and reclaim its space; False when it was not resident."""
+
+    def discard(self, key: bytes) -> bool:
+        """Forget ``key`` at once, never waiting for I/O or for a write in progress: its space
+        counts as free from now on, and the medium gets it back by the next ``reclaim``, write or
+        flush. What the store calls under its lock. False when it was not resident. Default:
+        ``remove``, for tiers whose removal does no I/O."""
+        return self.remove(key)
+
+    def reclaim(self) -> None:
+        """Give the medium back the space of discarded blocks now (no-op where ``discard`` did)."""
 
     @abstractmethod
     def check_integrity(self) -> None:

@@ -26,7 +26,15 @@ synced index write.
 
 Space: capacity counts record footprints. Removing a record punches a hole over it; a segment
 with no live record left is deleted. On a file system without hole punching the dead bytes
-keep counting until their whole segment dies. A write the file system cannot take (no space
+keep counting until their whole segment dies. ``discard`` (what the store calls under its lock)
+only updates the books: the record's space counts as free at once, and its index delete, hole
+and segment deletion wait for the next write, ``reclaim`` or flush. A process killed before then
+finds the discarded record intact and in the index at its next open: a block with the right
+bytes, back from eviction.
+
+Locks: ``_lock`` orders the I/O (writes, reclaims, flushes); ``_books`` guards the index, the
+segments' byte counts and the work left to reclaim, and is never held through I/O, so a
+``discard`` never waits for a write. A write the file system cannot take (no space
 for the record or for the index's log, no inode or descriptor for a new segment file) is a
 rejected write counted in ``io_errors``; the index is reopened after such a failure
 (``_commit``), so writes resume once space is freed.
@@ -89,7 +97,8 @@ class DiskTier(DiskRecovery, Tier):
         self.durable = durable
         self._segments_dir = os.path.join(self.path, "segments")
         self._runs = ThreadRuns()  # each loading thread's O_DIRECT read-ahead
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # held through I/O: writes, reclaims, flushes
+        self._books = threading.Lock()  # index, byte counts, _unindexed, _holes; never held through I/O
         self._index: dict[bytes, IndexEntry] = {}
         self._segments: dict[int, SegmentFile] = {}
         self._active: SegmentFile | None = None
@@ -107,6 +116,9 @@ class DiskTier(DiskRecovery, Tier):
         self._index_dir = os.path.join(self.path, "index")
         self._db: Rdict | None = None  # None after an index write failed: reopened by the next one
         self._unindexed: set[bytes] = set()  # removed blocks whose index delete is still to be committed
+        self._holes: list[tuple[int, int, int]] = []  # discarded records to punch: (segment id, offset, size)
+        self._writing = 0  # footprint of the record being written (writes hold _lock: one at a time)
+        self._punches = True  # False once the file system refused to punch a hole: dead bytes count at once
         os.makedirs(self.path, exist_ok=True)
         self._dir_lock = DirectoryLock(self.path)  # first: another process's directory is never touched
         raise_open_files_limit("a disk tier holds one descriptor per segment file")
@@ -143,7 +155,8 @@ class DiskTier(DiskRecovery, Tier):
 
     @property
     def used_bytes(self) -> int:
-        return sum(s.live_bytes + s.dead_bytes for s in list(self._segments.values()))
+        """Live and dead record bytes, and the record being written (so others make room for theirs)."""
+        return sum(s.live_bytes + s.dead_bytes for s in list(self._segments.values())) + self._writing
 
     def footprint(self, nbytes: int) -> int:
         return footprint(nbytes)
@@ -161,9 +174,13 @@ class DiskTier(DiskRecovery, Tier):
         header = self._read_header(entry)
         return None if header is None else BlockMeta(entry.nbytes, entry.num_layers, header.checksums, entry.parent)
 
+    def parent_of(self, key: bytes) -> bytes | None:
+        entry = self._index.get(key)  # the index keeps the parent: no header read
+        return None if entry is None else entry.parent
+
     def items(self) -> Iterator[tuple[bytes, BlockMeta]]:
         """Resident blocks with parents; checksums are left empty (they stay on disk)."""
-        with self._lock:
+        with self._books:
             snapshot = [(k, BlockMeta(e.nbytes, e.num_layers, (), e.parent)) for k, e in self._index.items()]
         return iter(snapshot)
 
@@ -181,6 +198,7 @@ class DiskTier(DiskRecovery, Tier):
             if self.used_bytes + size > self.capacity_bytes:
                 return False
             segment = offset = None
+            self._writing = size
             try:
                 if (self._active is None or (self._tail and self._tail + size > self.segment_bytes)
                         or os.fstat(self._active.fd).st_nlink == 0):  # deleted behind our back
@@ -189,18 +207,24 @@ class DiskTier(DiskRecovery, Tier):
                 entry = IndexEntry(segment.id, offset, meta.nbytes, meta.num_layers, self._seq, meta.parent)
                 header = RecordHeader(key, meta.nbytes, meta.num_layers, self._seq, meta.parent, meta.checksums)
                 self._write_record(segment, offset, header.encode(), payload, size)
-                self._commit({BLOCK_KEY_PREFIX + key: entry.encode(), TAIL_KEY: TAIL_VALUE.pack(segment.id, offset + size)})
+                self._commit_and_punch({BLOCK_KEY_PREFIX + key: entry.encode(),
+                                        TAIL_KEY: TAIL_VALUE.pack(segment.id, offset + size)})
             except Exception as exc:  # OSError from the segment, rocksdict raises plain Exception
                 self._count("io_errors", 1)
                 log.error("disk tier %s: write failed (%s); block not stored", self.path, exc)
                 if segment is not None:
                     truncate_quietly(segment.fd, offset)
-                    self._unindexed.add(key)  # in case the failed batch reached the index's log after all
+                with self._books:
+                    self._writing = 0
+                    if segment is not None:
+                        self._unindexed.add(key)  # in case the failed batch reached the index's log after all
                 return False
-            self._index[key] = entry
+            with self._books:
+                self._index[key] = entry
+                segment.live_bytes += size
+                self._writing = 0
             self._seq += 1
             self._tail = offset + size
-            segment.live_bytes += size
             self._count("bytes_written", meta.nbytes)
             return True
 
@@ -224,7 +248,8 @@ class DiskTier(DiskRecovery, Tier):
         segment = SegmentFile(next_id, os.path.join(self._segments_dir, segment_name(next_id)), self.direct_io)
         if self.durable:  # the new file's directory entry must survive a power loss too
             fsync_directory(self._segments_dir)
-        self._segments[next_id] = segment
+        with self._books:
+            self._segments[next_id] = segment
         old, self._active, self._tail = self._active, segment, 0
         if old is not None and old.live_bytes == 0:
             self._delete_segment(old)
@@ -344,28 +369,76 @@ class DiskTier(DiskRecovery, Tier):
         return RecordHeader.decode(os.pread(segment.fd, HEADER_BYTES, entry.offset))
 
     def remove(self, key: bytes) -> bool:
-        with self._lock:
+        found = self.discard(key)
+        self.reclaim()
+        return found
+
+    def discard(self, key: bytes) -> bool:
+        """Forget ``key`` in the books only (see Space in the module docstring)."""
+        with self._books:
             self._check_open()
             entry = self._index.pop(key, None)
             if entry is None:
                 return False
             size = footprint(entry.nbytes)
             self._unindexed.add(key)
-            try:
-                self._commit({})
-            except Exception as exc:  # kept in _unindexed: the next index write (or flush) deletes it
-                self._count("io_errors", 1)
-                log.error("disk tier %s: index delete failed (%s); retried with the next index write", self.path, exc)
-            segment = self._segments[entry.segment]
-            segment.live_bytes -= size
-            if segment.live_bytes == 0 and segment is not self._active:
-                self._delete_segment(segment)
-            elif not punch_hole(segment.fd, entry.offset, size):
-                segment.dead_bytes += size
+            self._segments[entry.segment].live_bytes -= size
+            if not self._punches:  # no hole to punch: the bytes count until the segment goes
+                self._segments[entry.segment].dead_bytes += size
+            self._holes.append((entry.segment, entry.offset, size if self._punches else 0))
             return True
 
+    def reclaim(self) -> None:
+        """Commit the index deletes of discarded blocks, then punch their records out and delete
+        segments left with no live record. A failed index write is logged and counted, retried
+        with the next one; the holes are punched all the same."""
+        with self._lock:
+            if self._closed or not (self._unindexed or self._holes):
+                return
+            try:
+                self._commit_and_punch({})
+            except Exception as exc:  # rocksdict raises plain Exception; kept in _unindexed
+                self._count("io_errors", 1)
+                log.error("disk tier %s: index delete failed (%s); retried with the next index write", self.path, exc)
+
+    def _commit_and_punch(self, puts: dict[bytes, bytes]) -> None:
+        """``_commit`` ``puts`` with the deletes pending, then punch the records discarded before
+        it (after it even when it raised: a delete that did not reach the index leaves an entry
+        that fails verification, a miss). Caller holds ``_lock``."""
+        with self._books:
+            holes, self._holes = self._holes, []
+        try:
+            self._commit(puts)
+        finally:
+            self._punch(holes)
+
+    def _punch(self, holes: list[tuple[int, int, int]]) -> None:
+        """Give discarded records' bytes back: delete a segment with nothing live left (but the
+        active one), punch a hole elsewhere (a hole of size 0 was counted dead at discard).
+        Caller holds ``_lock``."""
+        for segment_id, offset, size in holes:
+            segment = self._segments.get(segment_id)
+            if segment is None:  # deleted with an earlier hole of this batch
+                continue
+            try:
+                if segment.live_bytes == 0 and segment is not self._active:
+                    self._delete_segment(segment)
+                    continue
+                if not size:  # counted as dead at discard (no hole punching here)
+                    continue
+                punched = punch_hole(segment.fd, offset, size)
+            except OSError as exc:
+                self._count("io_errors", 1)
+                log.error("disk tier %s: freeing a removed record failed (%s); its bytes keep counting", self.path, exc)
+                punched = None
+            if not punched:
+                with self._books:
+                    segment.dead_bytes += size
+                    self._punches = self._punches and punched is None  # False: the file system cannot
+
     def _delete_segment(self, segment: SegmentFile) -> None:
-        del self._segments[segment.id]
+        with self._books:
+            del self._segments[segment.id]
         try:
             os.unlink(segment.path)
         except FileNotFoundError:
@@ -385,8 +458,8 @@ class DiskTier(DiskRecovery, Tier):
                     if segment.dirty:
                         os.fdatasync(segment.fd)
                         segment.dirty = False
-                if self._unindexed or self._db is None:
-                    self._commit({})
+                if self._unindexed or self._holes or self._db is None:
+                    self._commit_and_punch({})
                 try:
                     self._db.flush_wal(True)
                 except Exception:
@@ -408,7 +481,7 @@ class DiskTier(DiskRecovery, Tier):
         return sum(os.fstat(s.fd).st_blocks * 512 for s in list(self._segments.values()))
 
     def check_integrity(self) -> None:
-        with self._lock:
+        with self._lock, self._books:
             live: dict[int, int] = {sid: 0 for sid in self._segments}
             for key, entry in self._index.items():
                 assert len(key) == KEY_BYTES, "malformed key in the disk index"
@@ -453,7 +526,8 @@ class DiskTier(DiskRecovery, Tier):
             finally:
                 self._closed = True
                 self._drop_index()
-                self._segments.clear()
+                with self._books:
+                    self._segments.clear()
                 self._active = None
                 self._dir_lock.release()
 

@@ -5,7 +5,7 @@ reopen the index after a write to it failed (``_commit``).
 
 ``DiskRecovery`` is half of ``DiskTier`` (kept apart to keep each file to one concern). It expects
 the host class to provide ``path``, ``direct_io``, ``_segments_dir``, ``_index_dir``, ``_db``,
-``_unindexed``, ``_write_opt``, ``_index``, ``_segments``, ``_active``, ``_tail``, ``_seq``,
+``_unindexed``, ``_books``, ``_write_opt``, ``_index``, ``_segments``, ``_active``, ``_tail``, ``_seq``,
 ``_counters``, ``_progress`` and ``_delete_segment``; ``_recover`` runs once, at open, before the
 tier serves anything; ``_commit`` with the tier's lock held.
 """
@@ -134,8 +134,10 @@ class DiskRecovery:
         append (ENOSPC) as a background error that fails every later write, delete and flush until
         the DB is opened again, so the next commit reopens it (measured: once space is freed, the
         reopened index takes writes, and keeps every entry committed before)."""
+        with self._books:
+            deletes = list(self._unindexed)
         batch = WriteBatch(raw_mode=True)
-        for key in self._unindexed:
+        for key in deletes:
             batch.delete(BLOCK_KEY_PREFIX + key)
         for key, value in puts.items():
             batch.put(key, value)
@@ -146,7 +148,8 @@ class DiskRecovery:
         except Exception:
             self._drop_index()
             raise
-        self._unindexed.clear()
+        with self._books:
+            self._unindexed.difference_update(deletes)
 
     def _drop_index(self) -> None:
         """Close the index, ignoring its error (after a failure, closing reports that failure again)."""

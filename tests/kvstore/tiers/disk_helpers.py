@@ -82,13 +82,17 @@ def flip_byte(file: str, offset: int, mask: int = 0x01) -> None:
 _OWNER = """
 import json, sys
 from kvstore.tiers.disk import DiskTier
-from tests.kvstore.tiers.disk_helpers import put
+from tests.kvstore.tiers.disk_helpers import key_of, put
 
 tier = DiskTier(sys.argv[1], 64 << 20, durable=True)
-for line in sys.stdin:  # a line of block ids: write them, answer which were acknowledged; empty: close
-    if not line.split():
+for line in sys.stdin:  # block ids: write them (or, after "-", discard them), say which took; empty: close
+    words = line.split()
+    if not words:
         break
-    print(json.dumps([put(tier, int(i)) for i in line.split()]), flush=True)
+    if words[0] == "-":
+        print(json.dumps([tier.discard(key_of(int(i))) for i in words[1:]]), flush=True)
+    else:
+        print(json.dumps([put(tier, int(i)) for i in words]), flush=True)
 tier.close()
 """
 
@@ -105,11 +109,18 @@ class TierOwner:
 
     def put(self, *ids: int) -> list[bool]:
         """Write blocks ``ids`` in the owner; which it acknowledged (after its tier is open)."""
-        self.proc.stdin.write(" ".join(map(str, ids)) + "\n")
+        return self._ask(" ".join(map(str, ids)))
+
+    def discard(self, *ids: int) -> list[bool]:
+        """Have the owner ``discard`` blocks ``ids``; which were resident."""
+        return self._ask(" ".join(["-", *map(str, ids)]))
+
+    def _ask(self, line: str) -> list[bool]:
+        self.proc.stdin.write(line + "\n")
         self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        assert line, f"the owner process died: {self.proc.stderr.read()}"
-        return json.loads(line)
+        answer = self.proc.stdout.readline()
+        assert answer, f"the owner process died: {self.proc.stderr.read()}"
+        return json.loads(answer)
 
     def close(self) -> None:
         """Close the tier and let the process end."""

@@ -1,0 +1,124 @@
+"""The store's lock is never held through disk I/O: a demotion copies its victim down between two
+holdings of the lock, and a disk eviction only updates the tier's books (``DiskTier.discard``).
+A lookup made while a disk write is stuck must therefore be answered, not refused as busy.
+
+The stuck disk is a real disk tier whose record write waits on an event before it writes."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from kvstore.keys import namespace_hashes
+from tests.kvstore.store_helpers import DISK_BLOCK, SLOTS4, host_resident, load_all, put_chain, tokens, until
+
+WAIT_S = 2.0  # far longer than a lookup takes; a lookup that needs more is waiting for the stuck write
+
+
+class StuckDisk:
+    """Make ``disk``'s record writes wait until ``release()``; ``started`` is set by the first."""
+
+    def __init__(self, disk, monkeypatch):
+        self.started, self._go = threading.Event(), threading.Event()
+        write = disk._write_record
+
+        def stuck(*args):
+            self.started.set()
+            assert self._go.wait(30), "the stuck write was never released"
+            write(*args)
+
+        monkeypatch.setattr(disk, "_write_record", stuck)
+
+    def release(self) -> None:
+        self._go.set()
+
+
+def in_thread(fn, *args) -> threading.Thread:
+    thread = threading.Thread(target=fn, args=args, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.fixture
+def stored(make_store, namespace, spec):
+    """A store whose 4 host slots hold chain A (on_eviction), so the next put demotes A's tail."""
+    store = make_store(**SLOTS4, write_policy="on_eviction", background_writes=False)
+    ns_id = store.register_namespace(namespace)
+    chain_a = namespace_hashes(namespace, tokens(0, 4))
+    put_chain(store, ns_id, spec, chain_a)
+    assert host_resident(store, ns_id, chain_a) == [True] * 4
+    return store, ns_id, chain_a
+
+
+def test_a_lookup_is_answered_while_a_demotion_writes_its_victim_to_disk(stored, namespace, spec, monkeypatch):
+    store, ns_id, chain_a = stored
+    disk = StuckDisk(store.tiers[1], monkeypatch)
+    chain_b = namespace_hashes(namespace, tokens(1000, 1))
+    putter = in_thread(put_chain, store, ns_id, spec, chain_b)
+    try:
+        assert disk.started.wait(10), "the put did not demote"
+        hit = store.lookup(ns_id, chain_a, wait_s=WAIT_S)
+        assert not hit.busy, "the lookup waited for the demotion's disk write"
+        assert hit.tiers == ("host",) * 4  # the victim is served from where it is until it has moved
+        assert putter.is_alive()
+    finally:
+        disk.release()
+        putter.join(30)
+    assert store.lookup(ns_id, chain_a).tiers == ("host",) * 3 + ("disk",)
+    assert store.lookup(ns_id, chain_b).tiers == ("host",)
+    assert store.stats().tiers[1].demotions_in == 1
+    result, _ = load_all(store, ns_id, spec, chain_a)
+    assert result.loaded_blocks == 4
+    store.check_integrity()
+
+
+def test_a_victim_leased_while_it_is_demoted_stays_in_its_tier(stored, namespace, spec, monkeypatch):
+    store, ns_id, chain_a = stored
+    disk = StuckDisk(store.tiers[1], monkeypatch)
+    chain_b = namespace_hashes(namespace, tokens(1000, 1))
+    outcome = []
+    putter = in_thread(lambda: outcome.append(put_chain(store, ns_id, spec, chain_b)[1]))
+    try:
+        assert disk.started.wait(10)
+        lease = store.lookup(ns_id, chain_a, lease_ttl_s=60, wait_s=WAIT_S)
+        assert lease.hit_blocks == 4 and lease.lease_id is not None
+    finally:
+        disk.release()
+        putter.join(30)
+    # A's tail was copied down but not dropped (a reader holds it); the only other host block
+    # that could go is its parent, not a leaf, so B went to disk instead.
+    assert outcome[0].stored == 1
+    assert host_resident(store, ns_id, chain_a) == [True] * 4
+    assert store.tiers[1].contains(ns_id + chain_a[3])
+    assert store.lookup(ns_id, chain_b).tiers == ("disk",)
+    result, dsts = load_all(store, ns_id, spec, chain_a, lease_id=lease.lease_id)
+    assert result.loaded_blocks == 4 and result.tiers == ("host",) * 4
+    store.flush()
+    store.check_integrity()
+
+
+def test_a_lookup_is_answered_while_a_full_disk_tier_evicts_behind_a_stuck_write(make_store, namespace, spec,
+                                                                                  monkeypatch):
+    store = make_store(host_bytes=None, disk_bytes=4 * DISK_BLOCK)
+    ns_id = store.register_namespace(namespace)
+    chain_a = namespace_hashes(namespace, tokens(0, 4))
+    put_chain(store, ns_id, spec, chain_a)
+    disk = StuckDisk(store.tiers[0], monkeypatch)
+    first, second = (namespace_hashes(namespace, tokens(start, 1)) for start in (1000, 2000))
+    stuck = in_thread(put_chain, store, ns_id, spec, first)  # evicts A's tail, then its write sticks
+    try:
+        assert disk.started.wait(10)
+        waiting = in_thread(put_chain, store, ns_id, spec, second)  # evicts again, then waits for the disk
+        until(lambda: not store.tiers[0].contains(ns_id + chain_a[2]), WAIT_S)  # (never, were it stuck)
+        hit = store.lookup(ns_id, chain_a, wait_s=WAIT_S)
+        assert not hit.busy, "the lookup waited for an eviction stuck behind a disk write"
+        assert hit.hit_blocks == 2 and waiting.is_alive()
+    finally:
+        disk.release()
+        stuck.join(30)
+        waiting.join(30)
+    assert store.lookup(ns_id, chain_a).hit_blocks == 2
+    assert store.lookup(ns_id, first).hit_blocks == store.lookup(ns_id, second).hit_blocks == 1
+    store.flush()
+    store.check_integrity()
