@@ -91,16 +91,23 @@ def _put_then(store: TieredStore, ns_id: bytes, hashes: list[bytes], payloads: l
             then(payloads)
 
 
-async def _undone_if_abandoned(undo, call, *args):
-    """``call(*args)`` on a worker thread. If the RPC awaiting it is cancelled meanwhile (its client
-    went away, its deadline passed), ``undo(result)`` runs on a worker thread once ``call``
-    returns: what it took (a lease, a reservation) belongs to no one who could end it."""
+async def _undone_if_abandoned(undo, context, call, *args):
+    """``call(*args)`` on a worker thread. If the RPC awaiting it (``context``) is cancelled
+    meanwhile (its client went away, its deadline passed), ``undo(result)`` runs on a worker
+    thread once ``call`` returns: what it took (a lease, a reservation) belongs to no one who could
+    end it. So it does when ``call`` returns after the RPC's deadline but before gRPC has cancelled
+    the handler (the client has its DEADLINE_EXCEEDED already); the handler then ends cancelled."""
     calling = asyncio.ensure_future(asyncio.to_thread(call, *args))
     try:
-        return await asyncio.shield(calling)
+        result = await asyncio.shield(calling)
     except asyncio.CancelledError:
         calling.add_done_callback(functools.partial(_undo_result, undo))
         raise
+    remaining = context.time_remaining()
+    if context.cancelled() or (remaining is not None and remaining <= 0):
+        await asyncio.to_thread(undo, result)
+        raise asyncio.CancelledError("the call's deadline passed before its answer was ready")
+    return result
 
 
 def _undo_result(undo, calling: asyncio.Future) -> None:
@@ -220,7 +227,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         hashes = list(request.block_hashes)
         started = time.perf_counter()
         with self._leases.taking(client) if ttl_s is not None else contextlib.nullcontext():
-            result = await self._leasing(self._store.lookup, request.namespace_id, hashes, ttl_s)
+            result = await self._leasing(context, self._store.lookup, request.namespace_id, hashes, ttl_s)
             if result.lease_id is not None:
                 self._leases.add(client, result.lease_id, ttl_s)
         self.metrics.lookup(request.namespace_id, hashes, result.tiers, time.perf_counter() - started)
@@ -321,7 +328,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         client = client_of(context)
         started, leased_after = time.perf_counter(), time.monotonic()
         with self._leases.taking(client):
-            grant = await self._leasing(shm.leased_slots, self._store, request.namespace_id,
+            grant = await self._leasing(context, shm.leased_slots, self._store, request.namespace_id,
                                         list(request.block_hashes), request.lease_ttl_s)
             if grant.lease_id is not None:
                 self._leases.add(client, grant.lease_id, request.lease_ttl_s)
@@ -363,7 +370,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         reserve = functools.partial(staging.reserve, request.namespace_id, hashes, parent,
                                     spec.block_bytes, spec.num_layers, ttl_s, owner=client_of(context),
                                     owner_limit=self._limits.max_reservations_per_client)
-        reservation = await _undone_if_abandoned(staging.cancel, reserve)
+        reservation = await _undone_if_abandoned(staging.cancel, context, reserve)
         return wire.reservation_to_proto(reservation, staging.segment_path, ttl_s)
 
     @translate_errors
@@ -401,10 +408,10 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             self._lease_ended(lease_id)
             await asyncio.to_thread(_release_quietly, self._store, lease_id)
 
-    async def _leasing(self, take, *args):
+    async def _leasing(self, context, take, *args):
         """``take(*args)``, a store call whose result may carry a ``lease_id``, on a worker thread
         (``_undone_if_abandoned``: a lease taken for a call given up on is released)."""
-        return await _undone_if_abandoned(self._release_orphaned_lease, take, *args)
+        return await _undone_if_abandoned(self._release_orphaned_lease, context, take, *args)
 
     def _release_orphaned_lease(self, result) -> None:
         if result.lease_id is not None:
