@@ -102,10 +102,15 @@ class PlacementMixin:
         True once room is made, None when the tier holds it already, False when no room can be
         made or another thread is writing it there. Victims that are demoted are copied down
         between two holdings of the lock (``_demote``), so lookups never wait for that copy; a
-        victim its demotion could not move out of the tier is not offered again."""
+        victim its demotion could not move out of the tier is not offered again. A demotion is
+        finished (its victim dropped) in the same holding of the lock that claims the room, so
+        no other thread can take the room it freed first."""
         tried: set[bytes] = set()
+        demotion = copied = None
         while True:
             with self._lock:
+                if demotion is not None and not self._finish_demotion(demotion, *copied):
+                    tried.add(demotion.key)
                 if self._bits(key) >> t & 1:
                     return None
                 if (t, key) in self._placing:
@@ -116,8 +121,8 @@ class PlacementMixin:
                     self._placing.add((t, key))
                 if room is True or room is False:
                     return room
-            if not self._demote(room):
-                tried.add(room.key)
+                demotion = room
+            copied = self._copy_victim_down(demotion)
 
     def _only_copy(self, t: int, key: bytes | None) -> bool:
         """Whether evicting ``key`` from tier ``t`` would drop its last copy: no other tier holds
@@ -248,13 +253,18 @@ class PlacementMixin:
         return None
 
     def _demote(self, demotion: "Demotion") -> bool:
-        """Copy a pinned victim into the tier below, then drop it from its own tier; called
-        without the lock, so the copy (a disk write, say) holds up no lookup. True when the victim
-        left its tier. It stays when another reader pinned it meanwhile, or when the tier below
-        had no room and dropping it would strand resident children or it is ``needed``. A victim
-        that cannot be read for its demotion goes all the same (its chain is broken there anyway)."""
+        """Carry out ``demotion``: ``_copy_victim_down`` without the lock, then ``_finish_demotion``
+        under it. True when the victim left its tier."""
+        copied = self._copy_victim_down(demotion)
+        with self._lock:
+            return self._finish_demotion(demotion, *copied)
+
+    def _copy_victim_down(self, demotion: "Demotion") -> tuple[bool, bool]:
+        """Copy a pinned victim into the tier below; called without the lock, so the copy (a disk
+        write, say) holds up no lookup. Returns (demoted, readable): whether the tier below holds
+        it now, and whether it could be read at all. On an exception the victim is unpinned."""
         t, key = demotion.tier, demotion.key
-        source, demoted, readable = self.tiers[t], False, False
+        source = self.tiers[t]
         try:
             meta = source.meta(key)
             payload = source.view(key)
@@ -262,17 +272,28 @@ class PlacementMixin:
                 payload = np.empty(meta.nbytes, np.uint8)
                 payload = payload if source.read(key, payload) else None
             readable = meta is not None and payload is not None
-            demoted = readable and self._place(t + 1, key, payload, meta)
-        finally:
+            return readable and self._place(t + 1, key, payload, meta), readable
+        except BaseException:
             with self._lock:
                 self._leases.unpin([key])
-                if demoted:
-                    self._counters[f"demotions_in:{t + 1}"] += 1
-                droppable = demoted or not readable or not (demotion.needed or self._strands_children(t, key))
-                gone = droppable and bool(self._bits(key) >> t & 1) and not self._leases.is_pinned(key)
-                if gone:
-                    self._drop(t, key)
                 self._bury_doomed([key])
+            raise
+
+    def _finish_demotion(self, demotion: "Demotion", demoted: bool, readable: bool) -> bool:
+        """Unpin a victim ``_copy_victim_down`` handled and drop it from its tier; True when it left.
+        It stays when another reader pinned it meanwhile, or when the tier below had no room and
+        dropping it would strand resident children or it is ``needed``. A victim that cannot be
+        read for its demotion goes all the same (its chain is broken there anyway). Caller holds
+        the lock."""
+        t, key = demotion.tier, demotion.key
+        self._leases.unpin([key])
+        if demoted:
+            self._counters[f"demotions_in:{t + 1}"] += 1
+        droppable = demoted or not readable or not (demotion.needed or self._strands_children(t, key))
+        gone = droppable and bool(self._bits(key) >> t & 1) and not self._leases.is_pinned(key)
+        if gone:
+            self._drop(t, key)
+        self._bury_doomed([key])
         return gone
 
     def _drop(self, t: int, key: bytes) -> None:

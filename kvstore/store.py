@@ -45,6 +45,7 @@ from kvstore.layout import BlockSpec
 from kvstore.lease import LeaseTable
 from kvstore.lease_holders import LeaseHolderMixin
 from kvstore.policies import DEFAULT_POLICY, EvictionPolicy, make_policy
+from kvstore.reclaimer import Reclaimer
 from kvstore.results import LoadResult, LookupResult, PutResult, StoreStats
 from kvstore.shadows import ShadowCopies
 from kvstore.tiers.base import BlockMeta, Tier
@@ -96,6 +97,7 @@ class TieredStore(PlacementMixin, LeaseHolderMixin):
         self._busy_lock = threading.Lock()  # guards the one counter bumped without ``_lock``
         self._busy_lookups = 0
         self._writer = BackgroundWriter() if background_writes and len(self.tiers) > 1 else None
+        self._reclaimer = Reclaimer(self.tiers)  # deleted blocks buried at their last unpin
         # hashes the next block of a put while this one is written (``checksums_ahead``)
         self._hasher = ThreadPoolExecutor(2, thread_name_prefix="kvstore-put-hash")
         self._closed = False
@@ -353,11 +355,14 @@ class TieredStore(PlacementMixin, LeaseHolderMixin):
             self._shadows.update(key, self._bits(key))
 
     def _bury_doomed(self, keys) -> None:
-        """Remove the deleted ``keys`` no lease pins and no put is still writing (it buries its own)."""
+        """Remove the deleted ``keys`` no lease pins and no put is still writing (it buries its own);
+        their space goes back to the media off the lock (``Reclaimer``), so the deletion is durable
+        moments later, not at the next write or flush."""
         for key in keys:
             if key in self._doomed and not self._leases.is_pinned(key) and key not in self._inflight:
                 self._doomed.discard(key)
                 self._remove_everywhere(key)
+                self._reclaimer.wake()
 
     def _remove_everywhere(self, key: bytes) -> None:
         bits = self._bits(key)
@@ -478,6 +483,7 @@ class TieredStore(PlacementMixin, LeaseHolderMixin):
         if self._writer is not None:
             self._writer.drain()
             self._writer.close()
+        self._reclaimer.close()
         self._hasher.shutdown(cancel_futures=True)
         for tier in self.tiers:
             try:

@@ -25,12 +25,10 @@ left alone and the open fails. ``durable=True`` acknowledges a write only after 
 synced index write.
 
 Space: capacity counts record footprints. Removing a record punches a hole over it; a segment
-with no live record left is deleted. On a file system without hole punching the dead bytes
-keep counting until their whole segment dies. ``discard`` (what the store calls under its lock)
-only updates the books: the record's space counts as free at once, and its index delete, hole
-and segment deletion wait for the next write, ``reclaim`` or flush. A process killed before then
-finds the discarded record intact and in the index at its next open: a block with the right
-bytes, back from eviction.
+with no live record left is deleted. On a file system without hole punching (tested once at
+open) the dead bytes keep counting until their whole segment dies. ``discard`` (what the store
+calls under its lock) only updates the books, and the I/O waits for the next write, ``reclaim``
+or flush (``disk_reclaim``).
 
 Locks: ``_lock`` orders the I/O (writes, reclaims, flushes); ``_books`` guards the index, the
 segments' byte counts and the work left to reclaim, and is never held through I/O, so a
@@ -65,10 +63,11 @@ from kvstore.tiers.disk_files import (
     BLOCK_KEY_PREFIX, TAIL_KEY, TAIL_VALUE, DirectoryLock, IndexEntry, SegmentFile, fsync_directory, open_index,
     segment_name, supports_direct, truncate_quietly,
 )
+from kvstore.tiers.disk_reclaim import DiskReclaim
 from kvstore.tiers.disk_recovery import DiskRecovery
 from kvstore.tiers.read_ahead import ReadAhead, Record, ThreadRuns
 from kvstore.tiers.segment import (
-    HEADER_BYTES, MAX_LAYERS, RecordHeader, footprint, punch_hole, start_writeback,
+    HEADER_BYTES, MAX_LAYERS, RecordHeader, footprint, start_writeback,
 )
 
 log = logging.getLogger(__name__)
@@ -77,7 +76,7 @@ DEFAULT_SEGMENT_BYTES = 256 << 20
 _ZEROS = bytes(HEADER_BYTES)
 
 
-class DiskTier(DiskRecovery, Tier):
+class DiskTier(DiskRecovery, DiskReclaim, Tier):
     name = "disk"
 
     def __init__(
@@ -118,7 +117,7 @@ class DiskTier(DiskRecovery, Tier):
         self._unindexed: set[bytes] = set()  # removed blocks whose index delete is still to be committed
         self._holes: list[tuple[int, int, int]] = []  # discarded records to punch: (segment id, offset, size)
         self._writing = 0  # footprint of the record being written (writes hold _lock: one at a time)
-        self._punches = True  # False once the file system refused to punch a hole: dead bytes count at once
+        self._punches = True  # whether the file system punches holes (probed at open)
         os.makedirs(self.path, exist_ok=True)
         self._dir_lock = DirectoryLock(self.path)  # first: another process's directory is never touched
         raise_open_files_limit("a disk tier holds one descriptor per segment file")
@@ -140,6 +139,7 @@ class DiskTier(DiskRecovery, Tier):
         self.direct_io = direct_io and supports_direct(self._segments_dir)
         # writes a record's first MiB while the rest is copied into the bounce buffer (direct_io)
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvstore-disk-write") if self.direct_io else None
+        self._punches = self._probe_punching()
         self._db = open_index(self._index_dir)
         self._recover()
 
@@ -156,7 +156,8 @@ class DiskTier(DiskRecovery, Tier):
     @property
     def used_bytes(self) -> int:
         """Live and dead record bytes, and the record being written (so others make room for theirs)."""
-        return sum(s.live_bytes + s.dead_bytes for s in list(self._segments.values())) + self._writing
+        with self._books:
+            return sum(s.live_bytes + s.dead_bytes for s in self._segments.values()) + self._writing
 
     def footprint(self, nbytes: int) -> int:
         return footprint(nbytes)
@@ -198,7 +199,8 @@ class DiskTier(DiskRecovery, Tier):
             if self.used_bytes + size > self.capacity_bytes:
                 return False
             segment = offset = None
-            self._writing = size
+            with self._books:
+                self._writing = size
             try:
                 if (self._active is None or (self._tail and self._tail + size > self.segment_bytes)
                         or os.fstat(self._active.fd).st_nlink == 0):  # deleted behind our back
@@ -368,82 +370,6 @@ class DiskTier(DiskRecovery, Tier):
             return RecordHeader.decode(read_direct(segment.fd, entry.offset, HEADER_BYTES))
         return RecordHeader.decode(os.pread(segment.fd, HEADER_BYTES, entry.offset))
 
-    def remove(self, key: bytes) -> bool:
-        found = self.discard(key)
-        self.reclaim()
-        return found
-
-    def discard(self, key: bytes) -> bool:
-        """Forget ``key`` in the books only (see Space in the module docstring)."""
-        with self._books:
-            self._check_open()
-            entry = self._index.pop(key, None)
-            if entry is None:
-                return False
-            size = footprint(entry.nbytes)
-            self._unindexed.add(key)
-            self._segments[entry.segment].live_bytes -= size
-            if not self._punches:  # no hole to punch: the bytes count until the segment goes
-                self._segments[entry.segment].dead_bytes += size
-            self._holes.append((entry.segment, entry.offset, size if self._punches else 0))
-            return True
-
-    def reclaim(self) -> None:
-        """Commit the index deletes of discarded blocks, then punch their records out and delete
-        segments left with no live record. A failed index write is logged and counted, retried
-        with the next one; the holes are punched all the same."""
-        with self._lock:
-            if self._closed or not (self._unindexed or self._holes):
-                return
-            try:
-                self._commit_and_punch({})
-            except Exception as exc:  # rocksdict raises plain Exception; kept in _unindexed
-                self._count("io_errors", 1)
-                log.error("disk tier %s: index delete failed (%s); retried with the next index write", self.path, exc)
-
-    def _commit_and_punch(self, puts: dict[bytes, bytes]) -> None:
-        """``_commit`` ``puts`` with the deletes pending, then punch the records discarded before
-        it (after it even when it raised: a delete that did not reach the index leaves an entry
-        that fails verification, a miss). Caller holds ``_lock``."""
-        with self._books:
-            holes, self._holes = self._holes, []
-        try:
-            self._commit(puts)
-        finally:
-            self._punch(holes)
-
-    def _punch(self, holes: list[tuple[int, int, int]]) -> None:
-        """Give discarded records' bytes back: delete a segment with nothing live left (but the
-        active one), punch a hole elsewhere (a hole of size 0 was counted dead at discard).
-        Caller holds ``_lock``."""
-        for segment_id, offset, size in holes:
-            segment = self._segments.get(segment_id)
-            if segment is None:  # deleted with an earlier hole of this batch
-                continue
-            try:
-                if segment.live_bytes == 0 and segment is not self._active:
-                    self._delete_segment(segment)
-                    continue
-                if not size:  # counted as dead at discard (no hole punching here)
-                    continue
-                punched = punch_hole(segment.fd, offset, size)
-            except OSError as exc:
-                self._count("io_errors", 1)
-                log.error("disk tier %s: freeing a removed record failed (%s); its bytes keep counting", self.path, exc)
-                punched = None
-            if not punched:
-                with self._books:
-                    segment.dead_bytes += size
-                    self._punches = self._punches and punched is None  # False: the file system cannot
-
-    def _delete_segment(self, segment: SegmentFile) -> None:
-        with self._books:
-            del self._segments[segment.id]
-        try:
-            os.unlink(segment.path)
-        except FileNotFoundError:
-            pass
-
     # ---- maintenance -------------------------------------------------------------------
 
     def flush(self) -> None:
@@ -481,14 +407,17 @@ class DiskTier(DiskRecovery, Tier):
         return sum(os.fstat(s.fd).st_blocks * 512 for s in list(self._segments.values()))
 
     def check_integrity(self) -> None:
-        with self._lock, self._books:
-            live: dict[int, int] = {sid: 0 for sid in self._segments}
-            for key, entry in self._index.items():
-                assert len(key) == KEY_BYTES, "malformed key in the disk index"
-                assert entry.segment in self._segments, f"entry points at missing segment {entry.segment}"
-                live[entry.segment] += footprint(entry.nbytes)
-            for sid, segment in self._segments.items():
-                assert live[sid] == segment.live_bytes, f"segment {sid}: live bytes disagree with the index"
+        with self._lock:
+            with self._books:  # the books alone: a discard never waits for the file checks below
+                live: dict[int, int] = {sid: 0 for sid in self._segments}
+                for key, entry in self._index.items():
+                    assert len(key) == KEY_BYTES, "malformed key in the disk index"
+                    assert entry.segment in self._segments, f"entry points at missing segment {entry.segment}"
+                    live[entry.segment] += footprint(entry.nbytes)
+                for sid, segment in self._segments.items():
+                    assert live[sid] == segment.live_bytes, f"segment {sid}: live bytes disagree with the index"
+                segments = list(self._segments.values())
+            for segment in segments:
                 assert os.path.exists(segment.path), f"segment file {segment.path} vanished"
             assert self.used_bytes <= self.capacity_bytes, "disk tier over capacity"
             if self._active is not None:
@@ -518,8 +447,8 @@ class DiskTier(DiskRecovery, Tier):
                 self.flush()
                 if self._unindexed:
                     log.error("disk tier %s: %d removed blocks are still in the index (it could not be written); "
-                              "after a restart they fail verification as checksum failures", self.path,
-                              len(self._unindexed))
+                              "after a restart each comes back intact or, where its bytes were freed already, "
+                              "fails verification as a miss", self.path, len(self._unindexed))
                 self._runs.close()
                 if self._writer is not None:
                     self._writer.shutdown()

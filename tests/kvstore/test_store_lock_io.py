@@ -1,16 +1,25 @@
 """The store's lock is never held through disk I/O: a demotion copies its victim down between two
 holdings of the lock, and a disk eviction only updates the tier's books (``DiskTier.discard``).
-A lookup made while a disk write is stuck must therefore be answered, not refused as busy.
+A lookup made while a disk write is stuck must therefore be answered, not refused as busy; and a
+deletion the books took must still reach the disk (the store's ``Reclaimer``).
 
 The stuck disk is a real disk tier whose record write waits on an event before it writes."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import threading
 
+import numpy as np
 import pytest
 
 from kvstore.keys import namespace_hashes
+from kvstore.store import TieredStore
+from kvstore.tiers.disk import DiskTier
+from tests.kvstore.tiers.disk_helpers import REPO
 from tests.kvstore.store_helpers import DISK_BLOCK, SLOTS4, host_resident, load_all, put_chain, tokens, until
 
 WAIT_S = 2.0  # far longer than a lookup takes; a lookup that needs more is waiting for the stuck write
@@ -122,3 +131,52 @@ def test_a_lookup_is_answered_while_a_full_disk_tier_evicts_behind_a_stuck_write
     assert store.lookup(ns_id, first).hit_blocks == store.lookup(ns_id, second).hit_blocks == 1
     store.flush()
     store.check_integrity()
+
+
+_DELETE_WHILE_LEASED = """
+import sys, time
+import numpy as np
+from kvstore.keys import namespace_hashes
+from kvstore.store import TieredStore
+from kvstore.tiers.disk import DiskTier
+from tests.conftest import payloads_for, tiny_namespace
+from kvstore.layout import BlockSpec
+
+namespace = tiny_namespace()
+store = TieredStore([DiskTier(sys.argv[1], 4 << 20, durable=True)], policy="lru")
+ns_id = store.register_namespace(namespace)
+hashes = namespace_hashes(namespace, np.arange(16))
+store.put(ns_id, hashes, payloads_for(BlockSpec.of(namespace), hashes))
+store.flush()
+lease = store.lookup(ns_id, hashes, lease_ttl_s=60).lease_id
+store.delete_namespace(ns_id)  # leased: its blocks go when the lease ends
+store.release(lease)
+disk = store.tiers[0]
+end = time.monotonic() + 10
+while (disk._unindexed or disk._holes) and time.monotonic() < end:
+    time.sleep(0.01)
+print("pending" if disk._unindexed or disk._holes else "reclaimed", flush=True)
+sys.stdin.read()  # killed here
+"""
+
+
+def test_a_namespace_deleted_while_leased_stays_deleted_after_a_crash(tmp_path, namespace):
+    """The blocks go at the lease's end, with no write after it: the store's reclaimer must still
+    take them out of the disk's index, or a crash would bring them back."""
+    path = tmp_path / "disk"
+    child = subprocess.Popen([sys.executable, "-c", _DELETE_WHILE_LEASED, str(path)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": REPO})
+    try:
+        line = child.stdout.readline().strip()
+        assert line == "reclaimed", f"{line!r}; {child.stderr.read() if not line else ''}"
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.communicate(timeout=30)
+    store = TieredStore([DiskTier(str(path), 4 << 20)], policy="lru")
+    try:
+        ns_id = store.register_namespace(namespace)
+        assert store.lookup(ns_id, namespace_hashes(namespace, np.arange(16))).hit_blocks == 0
+        assert store.stats().tiers[0].blocks == 0
+    finally:
+        store.close()

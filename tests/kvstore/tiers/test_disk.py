@@ -15,7 +15,7 @@ import pytest
 
 from kvstore.errors import InvalidRequest, StoreClosed
 from kvstore.layout import BlockSpec
-from kvstore.tiers import disk as disk_module
+from kvstore.tiers import disk_reclaim
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.segment import HEADER_BYTES, MAX_LAYERS, footprint
 
@@ -226,7 +226,7 @@ def test_operations_after_close_raise(open_tier):
 
 def test_no_hole_punching_file_system(open_tier, tmp_path, monkeypatch):
     """Where punching is unsupported, dead bytes keep counting and the newest record of a key wins."""
-    monkeypatch.setattr(disk_module, "punch_hole", lambda fd, offset, length: False)
+    monkeypatch.setattr(disk_reclaim, "punch_hole", lambda fd, offset, length: False)
     tier = open_tier(capacity=6 * FP, segment_bytes=3 * FP)
     for i in range(6):
         assert put(tier, i)

@@ -9,7 +9,9 @@ import threading
 import pytest
 
 from kvstore.errors import StoreClosed
-from kvstore.tiers import disk as disk_module
+from kvstore.keys import namespace_hashes
+from kvstore.tiers import disk_reclaim
+from tests.kvstore.store_helpers import DISK_BLOCK, put_chain, tokens
 from tests.kvstore.tiers.disk_helpers import FP, NBYTES, TierOwner, key_of, put, reads_exact, segment_paths
 
 
@@ -23,7 +25,7 @@ def test_a_discard_frees_the_books_at_once_and_the_file_at_the_next_write(open_t
     assert tier.used_bytes == 9 * FP and tier.can_fit(NBYTES)
     assert tier.allocated_bytes() == 10 * FP  # its bytes are still there
     assert not tier.discard(key_of(5))  # once
-    assert put(tier, 10)  # the write that takes the room punches the hole first
+    assert put(tier, 10)  # the write that takes the room punches the hole (after its own record)
     tier.flush()
     assert tier.allocated_bytes() == 10 * FP and tier.used_bytes == 10 * FP
     assert all(reads_exact(tier, i) == (i != 5) for i in range(11))
@@ -79,21 +81,35 @@ def test_a_discard_does_not_wait_for_a_write_in_progress(open_tier, monkeypatch)
 
 def test_where_holes_cannot_be_punched_a_discard_counts_its_bytes_until_the_segment_goes(open_tier, tmp_path,
                                                                                          monkeypatch):
-    monkeypatch.setattr(disk_module, "punch_hole", lambda fd, offset, length: False)
-    tier = open_tier(capacity=8 * FP, segment_bytes=4 * FP)
+    monkeypatch.setattr(disk_reclaim, "punch_hole", lambda fd, offset, length: False)
+    tier = open_tier(capacity=8 * FP, segment_bytes=4 * FP)  # the probe at open finds no hole punching
     for i in range(6):  # segment 1: 0-3, segment 2 (active): 4, 5
         assert put(tier, i)
-    assert tier.discard(key_of(4))
-    tier.reclaim()  # the file system refuses the hole: its bytes stay counted
-    assert tier.used_bytes == 6 * FP
-    assert tier.discard(key_of(5))  # known now: counted at once, no hole attempted
-    assert tier.used_bytes == 6 * FP
-    for i in range(4):
+    for i in (4, 5, 0, 1, 2):
         assert tier.discard(key_of(i))
-    assert tier.used_bytes == 6 * FP
-    tier.reclaim()  # segment 1 has nothing live: it goes, and its bytes with it
-    assert len(segment_paths(tmp_path / "disk")) == 1 and tier.used_bytes == 2 * FP  # segment 2's dead bytes
+        assert tier.used_bytes == 6 * FP  # dead, not free: their segments still hold them
+    assert tier.discard(key_of(3))  # segment 1 has nothing live left: none of it counts from now on
+    assert tier.used_bytes == 2 * FP and len(segment_paths(tmp_path / "disk")) == 2
+    tier.reclaim()  # and its file goes
+    assert len(segment_paths(tmp_path / "disk")) == 1 and tier.used_bytes == 2 * FP
     tier.check_integrity()
+
+
+def test_where_holes_cannot_be_punched_a_full_store_evicts_only_what_it_needs(make_store, namespace, spec,
+                                                                              monkeypatch):
+    monkeypatch.setattr(disk_reclaim, "punch_hole", lambda fd, offset, length: False)
+    store = make_store(host_bytes=None, disk_bytes=8 * DISK_BLOCK, segment_bytes=4 * DISK_BLOCK)
+    ns_id = store.register_namespace(namespace)
+    prompts = [namespace_hashes(namespace, tokens(1000 * i, 1)) for i in range(10)]
+    for prompt in prompts[:8]:
+        assert put_chain(store, ns_id, spec, prompt)[1].stored == 1
+    assert put_chain(store, ns_id, spec, prompts[8])[1].stored == 1
+    assert store.stats().tiers[0].evictions == 4  # the oldest segment's four blocks, then it fits
+    assert [store.lookup(ns_id, p).hit_blocks for p in prompts[:9]] == [0] * 4 + [1] * 5
+    assert put_chain(store, ns_id, spec, prompts[9])[1].stored == 1
+    assert store.stats().tiers[0].evictions == 4
+    store.flush()
+    store.check_integrity()
 
 
 def test_a_discard_after_close_says_the_tier_is_closed(open_tier):
