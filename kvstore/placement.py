@@ -103,8 +103,9 @@ class PlacementMixin:
         made or another thread is writing it there. Victims that are demoted are copied down
         between two holdings of the lock (``_demote``), so lookups never wait for that copy; a
         victim its demotion could not move out of the tier is not offered again. A demotion is
-        finished (its victim dropped) in the same holding of the lock that claims the room, so
-        no other thread can take the room it freed first."""
+        finished (its victim dropped) in the same holding of the lock that claims the room. A claim
+        reserves no bytes, though: another thread's claim can still see the same free room before
+        this write lands, and the later write then finds the tier full (``_place`` tries again)."""
         tried: set[bytes] = set()
         demotion = copied = None
         while True:

@@ -1,7 +1,7 @@
 """Gives the tiers' discarded space back to their media off the store's lock.
 
 Under its lock the store only ``discard``s (``kvstore.tiers.base.Tier``). Most discards make room
-for a write into the same tier, which reclaims first. A block deleted while a reader held it
+for a write into the same tier, which reclaims right after writing its own record. A block deleted while a reader held it
 (``TieredStore.delete_namespace``) is discarded later, whenever its last pin ends, with no write
 to follow: ``wake`` (cheap, no I/O, callable under the lock) has a thread of this object call
 every tier's ``reclaim`` soon after, so the deletion reaches the disk's index within moments,

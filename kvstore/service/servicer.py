@@ -92,11 +92,13 @@ def _put_then(store: TieredStore, ns_id: bytes, hashes: list[bytes], payloads: l
 
 
 async def _undone_if_abandoned(undo, context, call, *args):
-    """``call(*args)`` on a worker thread. If the RPC awaiting it (``context``) is cancelled
-    meanwhile (its client went away, its deadline passed), ``undo(result)`` runs on a worker
-    thread once ``call`` returns: what it took (a lease, a reservation) belongs to no one who could
-    end it. So it does when ``call`` returns after the RPC's deadline but before gRPC has cancelled
-    the handler (the client has its DEADLINE_EXCEEDED already); the handler then ends cancelled."""
+    """``call(*args)`` on a worker thread. If the RPC awaiting it is cancelled meanwhile (its client
+    went away, its deadline passed), ``undo(result)`` runs on a worker thread once ``call``
+    returns: what it took (a lease, a reservation) belongs to no one who could end it. So it does
+    when ``call`` returns after the RPC's deadline (``context.time_remaining()``) but before gRPC
+    has cancelled the handler: the client has its DEADLINE_EXCEEDED already, and the handler ends
+    cancelled. A cancellation that arrives after that check, before the answer is sent, still
+    leaves what was taken to its TTL."""
     calling = asyncio.ensure_future(asyncio.to_thread(call, *args))
     try:
         result = await asyncio.shield(calling)
@@ -104,7 +106,7 @@ async def _undone_if_abandoned(undo, context, call, *args):
         calling.add_done_callback(functools.partial(_undo_result, undo))
         raise
     remaining = context.time_remaining()
-    if context.cancelled() or (remaining is not None and remaining <= 0):
+    if remaining is not None and remaining <= 0:
         await asyncio.to_thread(undo, result)
         raise asyncio.CancelledError("the call's deadline passed before its answer was ready")
     return result

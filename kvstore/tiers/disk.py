@@ -220,6 +220,7 @@ class DiskTier(DiskRecovery, DiskReclaim, Tier):
                     self._writing = 0
                     if segment is not None:
                         self._unindexed.add(key)  # in case the failed batch reached the index's log after all
+                self._reclaim_after_failed_write()
                 return False
             with self._books:
                 self._index[key] = entry
@@ -229,6 +230,17 @@ class DiskTier(DiskRecovery, DiskReclaim, Tier):
             self._tail = offset + size
             self._count("bytes_written", meta.nbytes)
             return True
+
+    def _reclaim_after_failed_write(self) -> None:
+        """Give back what evictions freed before a write that failed (out of space, say: the
+        records it was to replace are still on the file system), so the store's retry can
+        succeed instead of failing the same way until the next flush. Caller holds ``_lock``."""
+        if not self._holes:
+            return
+        try:
+            self._commit_and_punch({})
+        except Exception as exc:  # rocksdict raises plain Exception; the deletes stay pending
+            log.error("disk tier %s: reclaiming after a failed write failed too (%s)", self.path, exc)
 
     def _write_record(self, segment: SegmentFile, offset: int, header: bytes, payload: np.ndarray, size: int) -> None:
         segment.dirty = True  # the file's size (and, buffered, its pages) await fdatasync either way

@@ -98,8 +98,9 @@ class DiskReclaim:
                 log.error("disk tier %s: freeing a removed record failed (%s); its bytes keep counting", self.path, exc)
                 punched = False
             if not punched:
-                with self._books:
-                    segment.dead_bytes += size
+                with self._books:  # unless a discard meanwhile left it nothing live: it goes whole
+                    if segment.live_bytes or segment is self._active:
+                        segment.dead_bytes += size
 
     def _delete_segment(self, segment: SegmentFile) -> None:
         with self._books:

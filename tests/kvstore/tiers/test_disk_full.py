@@ -154,3 +154,21 @@ def test_running_out_of_inodes_rejects_writes_as_io_errors_until_segments_die(sm
         assert tier.remove(key_of(i))
     assert put(tier, 1000) and reads_exact(tier, 1000)
     tier.check_integrity()
+
+
+def test_a_write_refused_for_space_that_evictions_freed_in_the_books_only_frees_it_for_the_retry(full_disk,
+                                                                                                 open_tier):
+    """The store evicts by ``discard``: the bytes stay on the file system until a reclaim. A write
+    that then finds the file system full gives them back before it reports failure, so the
+    store's next try succeeds instead of failing the same way until a flush."""
+    mount, filler = full_disk
+    tier = open_tier(os.path.join(mount, "disk"), capacity=6 * FP, segment_bytes=8 * FP)
+    for i in range(6):
+        assert put(tier, i)
+    tier.flush()
+    filler.leave(FP // 2)  # the tier is full, and so is its file system
+    assert tier.discard(key_of(0)) and tier.can_fit(FP // 2)
+    assert not put(tier, 6), "there was no room on the file system for it"
+    assert put(tier, 6), "the failed write gave back the evicted record's bytes"
+    assert all(reads_exact(tier, i) for i in range(1, 7))
+    tier.check_integrity()
