@@ -220,6 +220,8 @@ def test_operations_after_close_raise(open_tier):
         tier.read(key_of(1), np.zeros(NBYTES, np.uint8))
     with pytest.raises(StoreClosed):
         tier.remove(key_of(1))
+    with pytest.raises(StoreClosed):
+        tier.discard(key_of(1))
     tier.close()  # idempotent
     tier.flush()  # no-op once closed
 

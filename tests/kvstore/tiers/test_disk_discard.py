@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import threading
 
-import pytest
 
-from kvstore.errors import StoreClosed
 from kvstore.keys import namespace_hashes
 from kvstore.tiers import disk_reclaim
 from tests.kvstore.store_helpers import DISK_BLOCK, put_chain, tokens
@@ -110,14 +108,6 @@ def test_where_holes_cannot_be_punched_a_full_store_evicts_only_what_it_needs(ma
     assert store.stats().tiers[0].evictions == 4
     store.flush()
     store.check_integrity()
-
-
-def test_a_discard_after_close_says_the_tier_is_closed(open_tier):
-    tier = open_tier()
-    assert put(tier, 0)
-    tier.close()
-    with pytest.raises(StoreClosed):
-        tier.discard(key_of(0))
 
 
 def test_killed_before_the_next_write_a_discarded_block_comes_back_intact(tmp_path, open_tier):
