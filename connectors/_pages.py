@@ -138,8 +138,8 @@ class BackgroundLoad(LoadHandle):
     (``wait_layer`` raises ``LoadFailed`` for the layers not yet done), never the engine.
     ``finish`` runs last, whatever happened (it ends the lease).
 
-    A load not done ``deadline_s`` after it started (a disk read that hangs, a store lock held by
-    one) is abandoned by the first wait that runs out: its fence closes, so whatever it still
+    A load not done ``deadline_s`` after it started (a disk read that hangs, a store lock that
+    stays held) is abandoned by the first wait that runs out: its fence closes, so whatever it still
     does later writes nothing into the engine's pages, and the load counts as failed unless every
     layer was already in place. The engine then recomputes those pages at once instead of hanging
     with the load. ``deadline_s=None`` waits forever. ``cancel`` abandons at once. A load failed
@@ -249,8 +249,8 @@ class SaveWriter:
     engine with a traceback each). ``flush`` waits for every
     save queued so far; ``close`` flushes and ends the thread. The queue holds at most
     ``max_pending_bytes`` of payloads (one save always fits): a store that stops keeping up (a
-    hung disk, its lock held) would otherwise grow the engine's memory without bound. A save
-    beyond it is dropped, counted in ``dropped_blocks`` and warned about once per episode.
+    hung disk, a lock that stays held) would otherwise grow the engine's memory without bound. A
+    save beyond it is dropped, counted in ``dropped_blocks`` and warned about once per episode.
     """
 
     def __init__(self, write: Callable[[list[bytes], list[np.ndarray], bytes | None], None],

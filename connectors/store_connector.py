@@ -73,7 +73,7 @@ class StoreConnector(KVConnector):
                                                                                  parent=parent), logger=log,
                                  max_pending_bytes=max_pending_save_bytes)
         self._lookups_failing = False  # the last lookup raised: warned once, until one answers
-        self._store_lock = Backoff(initial_s=1.0, max_s=15.0)  # a lock held through I/O: skip lookups a while
+        self._store_lock = Backoff(initial_s=1.0, max_s=15.0)  # a lock that stayed held: skip lookups a while
         self._lower_tiers = LowerTiers((tier.name for tier in store.tiers if tier.in_memory), self.load_timeout_s)
 
     @property
