@@ -101,7 +101,7 @@ class PlacementMixin:
         """Make room for ``key`` in tier ``t`` and mark it as being written there (``_placing``):
         True once room is made, None when the tier holds it already, False when no room can be
         made or another thread is writing it there. Victims that are demoted are copied down
-        between two holdings of the lock (``_demote``), so lookups never wait for that copy; a
+        between two holdings of the lock (``_copy_victim_down``), so lookups never wait for that copy; a
         victim its demotion could not move out of the tier is not offered again. A demotion is
         finished (its victim dropped) in the same holding of the lock that claims the room. A claim
         reserves no bytes, though: another thread's claim can still see the same free room before
@@ -201,7 +201,7 @@ class PlacementMixin:
         unreachable below it, and skipping it would let a chain longer than the tier's free room
         push out blocks its policy values more. No victim goes whose loss strands resident
         children (``_evictable``), nor, where eviction demotes and the tier below has no room for
-        it, ``parent`` (the block needing the room is a child of it: ``_demote`` keeps it), and
+        it, ``parent`` (the block needing the room is a child of it: ``_finish_demotion`` keeps it), and
         none in ``tried`` (whose demotion left them in place) is offered. Caller holds the lock."""
         tier = self.tiers[t]
         if tier.footprint(nbytes) > tier.capacity_bytes:
@@ -325,7 +325,8 @@ class PlacementMixin:
 
 class Demotion(NamedTuple):
     """A victim of tier ``tier``, pinned, to copy into the tier below and then drop
-    (``PlacementMixin._demote``); ``needed``: it is the parent of the block that needs the room."""
+    (``PlacementMixin._copy_victim_down``, ``_finish_demotion``); ``needed``: it is the parent of
+    the block that needs the room."""
 
     tier: int
     key: bytes

@@ -15,7 +15,7 @@ bytes between tiers by two knobs:
 Concurrency: one lock guards the directory, policies and pins; byte copies run outside it, and
 so does all disk I/O. A block is pinned (by a lease or by the store itself) whenever bytes are
 being read from it, and a pinned block is never evicted or removed. A victim that is demoted is
-pinned and copied down between two holdings of the lock (``PlacementMixin._demote``), and a tier
+pinned and copied down between two holdings of the lock (``PlacementMixin._copy_victim_down``), and a tier
 evicts under the lock only in its books (``Tier.discard``), giving the space back to the medium
 at its next write or ``reclaim``. Callers that must not wait long still bound their wait for the
 lock (``lookup(wait_s=)``, ``try_release``): a thread holding it can be descheduled, and a
