@@ -78,7 +78,7 @@ class PlacementMixin:
         room is not restored; a race is rare, so the check is not repeated before making room).
         The caller does not hold the lock: room is made, and the block written, outside it."""
         tier = self.tiers[t]
-        for _ in range(3):  # another thread may take the room between eviction and write
+        for _ in range(3):  # a write the medium refused (out of space on the file system, say) is tried again
             claimed = self._claim_room(t, key, meta)
             if claimed is not True:
                 return claimed is None
@@ -91,6 +91,7 @@ class PlacementMixin:
                             return False
                         self._publish(t, key, meta)
             finally:
+                tier.unreserve(key)  # the write took the room, unless it raised first
                 with self._lock:
                     self._placing.discard((t, key))
             if written:
@@ -98,14 +99,14 @@ class PlacementMixin:
         return False
 
     def _claim_room(self, t: int, key: bytes, meta: BlockMeta) -> bool | None:
-        """Make room for ``key`` in tier ``t`` and mark it as being written there (``_placing``):
-        True once room is made, None when the tier holds it already, False when no room can be
-        made or another thread is writing it there. Victims that are demoted are copied down
-        between two holdings of the lock (``_copy_victim_down``), so lookups never wait for that copy; a
-        victim its demotion could not move out of the tier is not offered again. A demotion is
-        finished (its victim dropped) in the same holding of the lock that claims the room. A claim
-        reserves no bytes, though: another thread's claim can still see the same free room before
-        this write lands, and the later write then finds the tier full (``_place`` tries again)."""
+        """Make room for ``key`` in tier ``t``, reserve it (``Tier.reserve``: no other thread's
+        claim can take it before this write lands) and mark the block as being written there
+        (``_placing``): True once room is reserved, None when the tier holds it already, False when
+        no room can be made or another thread is writing it there. Victims that are demoted are
+        copied down between two holdings of the lock (``_copy_victim_down``), so lookups never wait
+        for that copy; a victim its demotion could not move out of the tier is not offered again. A
+        demotion is finished (its victim dropped) in the same holding of the lock that claims the
+        room."""
         tried: set[bytes] = set()
         demotion = copied = None
         while True:
@@ -118,6 +119,8 @@ class PlacementMixin:
                     return False
                 keep = meta.parent if self._only_copy(t, meta.parent) else None
                 room = self._make_room(t, meta.nbytes, keep, meta.parent, tried)
+                if room is True:
+                    room = self.tiers[t].reserve(key, meta.nbytes)  # it fits: the same test, under the same lock
                 if room is True:
                     self._placing.add((t, key))
                 if room is True or room is False:

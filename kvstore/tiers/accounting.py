@@ -23,18 +23,33 @@ class AccountingTier(Tier):
         self.name = name
         self.capacity_bytes = capacity_bytes
         self._blocks: dict[bytes, BlockMeta] = {}
-        self._used = 0
+        self._used = 0  # bytes of the blocks held
+        self._reservations: dict[bytes, int] = {}  # key -> bytes set aside for its write (``reserve``)
+        self._reserved = 0  # their sum
         self._lock = threading.Lock()
 
     @property
     def used_bytes(self) -> int:
-        return self._used
+        return self._used + self._reserved
 
     def footprint(self, nbytes: int) -> int:
         return nbytes
 
     def can_fit(self, nbytes: int) -> bool:
-        return self._used + nbytes <= self.capacity_bytes
+        return self._used + self._reserved + nbytes <= self.capacity_bytes
+
+    def reserve(self, key: bytes, nbytes: int) -> bool:
+        with self._lock:
+            assert key not in self._blocks and key not in self._reservations, "duplicate reservation (store bug)"
+            if not self.can_fit(nbytes):
+                return False
+            self._reservations[key] = nbytes
+            self._reserved += nbytes
+            return True
+
+    def unreserve(self, key: bytes) -> None:
+        with self._lock:
+            self._reserved -= self._reservations.pop(key, 0)
 
     def contains(self, key: bytes) -> bool:
         return key in self._blocks
@@ -49,7 +64,8 @@ class AccountingTier(Tier):
     def write(self, key: bytes, payload: np.ndarray, meta: BlockMeta) -> bool:
         with self._lock:
             assert key not in self._blocks, "duplicate write (store bug)"
-            if self._used + meta.nbytes > self.capacity_bytes:
+            self._reserved -= self._reservations.pop(key, 0)  # its reserved room, if any, is this write's
+            if not self.can_fit(meta.nbytes):
                 return False
             self._blocks[key] = meta
             self._used += meta.nbytes
@@ -69,7 +85,8 @@ class AccountingTier(Tier):
     def check_integrity(self) -> None:
         with self._lock:
             assert self._used == sum(m.nbytes for m in self._blocks.values()), "used bytes disagree with blocks"
-            assert 0 <= self._used <= self.capacity_bytes, "accounting tier over capacity"
+            assert self._reserved == sum(self._reservations.values()), "reserved bytes disagree with reservations"
+            assert 0 <= self._used + self._reserved <= self.capacity_bytes, "accounting tier over capacity"
 
     def stats(self) -> TierStats:
-        return TierStats(self.name, self.capacity_bytes, self._used, len(self._blocks))
+        return TierStats(self.name, self.capacity_bytes, self.used_bytes, len(self._blocks))

@@ -6,7 +6,9 @@ run of whole layers straight into a caller's buffer.
 
 Contract shared by all tiers:
 - ``write`` makes a block visible only once all its bytes are in place; it returns False when
-  the tier has no room (the store evicts first, by policy) and never evicts on its own.
+  the tier has no room (the store evicts first, by policy) and never evicts on its own. The
+  store ``reserve``s the room it made before it writes, so another thread's write cannot take
+  that room first; ``write`` takes the block's reservation, whatever its outcome.
 - ``read`` returns False on a miss. A block whose bytes fail verification is dropped, counted
   and reported as a miss: a tier never hands out wrong bytes.
 - Every method is safe to call from several threads. The store guarantees that a block being
@@ -77,6 +79,17 @@ class Tier(ABC):
     def can_fit(self, nbytes: int) -> bool:
         """Whether a payload of ``nbytes`` fits now without evicting anything."""
 
+    def reserve(self, key: bytes, nbytes: int) -> bool:
+        """Set room for one write of ``key`` (a payload of ``nbytes``) aside: it counts as used,
+        so neither ``can_fit`` nor another write sees it, until ``write(key, ...)`` takes it or
+        ``unreserve(key)`` gives it back. False when it does not fit now. Never waits for I/O:
+        the store reserves under its lock, once it has made the room. Default: ``can_fit``, with
+        nothing set aside (enough for a tier one thread writes)."""
+        return self.can_fit(nbytes)
+
+    def unreserve(self, key: bytes) -> None:
+        """Give back ``key``'s reservation when no ``write`` took it (a no-op otherwise)."""
+
     def max_block_bytes(self) -> int | None:
         """Largest payload footprint one block may have here (None: no limit)."""
         return None
@@ -125,7 +138,8 @@ class Tier(ABC):
 
     @abstractmethod
     def write(self, key: bytes, payload: np.ndarray, meta: BlockMeta) -> bool:
-        """Store ``payload`` (flat uint8, ``meta.nbytes``) under ``key``; False when out of room."""
+        """Store ``payload`` (flat uint8, ``meta.nbytes``) under ``key``, in the room reserved for
+        it if there is one (``reserve``); False when out of room."""
 
     @abstractmethod
     def read(self, key: bytes, dst: np.ndarray, first_layer: int = 0, num_layers: int | None = None) -> bool:

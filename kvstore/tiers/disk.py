@@ -117,6 +117,7 @@ class DiskTier(DiskRecovery, DiskReclaim, Tier):
         self._unindexed: set[bytes] = set()  # removed blocks whose index delete is still to be committed
         self._holes: list[tuple[int, int, int]] = []  # discarded records to punch: (segment id, offset, size)
         self._writing = 0  # footprint of the record being written (writes hold _lock: one at a time)
+        self._reservations: dict[bytes, int] = {}  # key -> footprint set aside for its write (``reserve``)
         self._punches = True  # whether the file system punches holes (probed at open)
         os.makedirs(self.path, exist_ok=True)
         self._dir_lock = DirectoryLock(self.path)  # first: another process's directory is never touched
@@ -155,15 +156,36 @@ class DiskTier(DiskRecovery, DiskReclaim, Tier):
 
     @property
     def used_bytes(self) -> int:
-        """Live and dead record bytes, and the record being written (so others make room for theirs)."""
+        """Live and dead record bytes, the record being written and the room reserved for writes
+        to come (so others make room for theirs)."""
         with self._books:
-            return sum(s.live_bytes + s.dead_bytes for s in self._segments.values()) + self._writing
+            return self._used_bytes()
+
+    def _used_bytes(self) -> int:
+        """``used_bytes``; caller holds ``_books``."""
+        segments = sum(s.live_bytes + s.dead_bytes for s in self._segments.values())
+        return segments + self._writing + sum(self._reservations.values())
 
     def footprint(self, nbytes: int) -> int:
         return footprint(nbytes)
 
     def can_fit(self, nbytes: int) -> bool:
         return self.used_bytes + footprint(nbytes) <= self.capacity_bytes
+
+    def reserve(self, key: bytes, nbytes: int) -> bool:
+        """Count ``key``'s record as written from now on (``Tier.reserve``); only the books."""
+        size = footprint(nbytes)
+        with self._books:
+            self._check_open()
+            assert key not in self._index and key not in self._reservations, "duplicate disk reservation (store bug)"
+            if self._used_bytes() + size > self.capacity_bytes:
+                return False
+            self._reservations[key] = size
+            return True
+
+    def unreserve(self, key: bytes) -> None:
+        with self._books:
+            self._reservations.pop(key, None)
 
     def contains(self, key: bytes) -> bool:
         return key in self._index
@@ -196,11 +218,12 @@ class DiskTier(DiskRecovery, DiskReclaim, Tier):
         with self._lock:
             self._check_open()
             assert key not in self._index, "duplicate disk write (store bug)"
-            if self.used_bytes + size > self.capacity_bytes:
-                return False
-            segment = offset = None
             with self._books:
+                self._reservations.pop(key, None)  # its reserved room, if any, counts as _writing from here
+                if self._used_bytes() + size > self.capacity_bytes:
+                    return False
                 self._writing = size
+            segment = offset = None
             try:
                 if (self._active is None or (self._tail and self._tail + size > self.segment_bytes)
                         or os.fstat(self._active.fd).st_nlink == 0):  # deleted behind our back

@@ -52,7 +52,7 @@ class HostTier(Tier):
         self.segment_path = self._segment.path
         self._arena = np.frombuffer(self._segment.mmap, dtype=np.uint8)  # [capacity] bytes
         self._index: dict[bytes, tuple[int, BlockMeta]] = {}
-        self._reserved: dict[bytes, int] = {}
+        self._reserved: dict[bytes, int] = {}  # key -> slot taken but not yet readable (reserved, or being copied in)
         self._lock = threading.Lock()
         self._bytes_read = 0
         self._bytes_written = 0
@@ -112,17 +112,37 @@ class HostTier(Tier):
         self._check_open()
         assert payload.nbytes == meta.nbytes, "payload size disagrees with its meta (store bug)"
         with self._lock:
-            assert key not in self._index and key not in self._reserved, "duplicate host write (store bug)"
-            offset = self._slab.allocate(meta.nbytes)
+            assert key not in self._index, "duplicate host write (store bug)"
+            offset = self._reserved.get(key)  # the slot reserved for it, else a free one now
             if offset is None:
-                return False
-            self._reserved[key] = offset
+                offset = self._slab.allocate(meta.nbytes)
+                if offset is None:
+                    return False
+                self._reserved[key] = offset
+            assert self._slab.slot_class(offset) == self._slab.slot_bytes(meta.nbytes), "reserved for another size (bug)"
         np.copyto(self._arena[offset : offset + meta.nbytes], payload)
         with self._lock:
             del self._reserved[key]
             self._index[key] = (offset, meta)
             self._bytes_written += meta.nbytes
         return True
+
+    def reserve(self, key: bytes, nbytes: int) -> bool:
+        """Take a slot for ``key`` now (``Tier.reserve``); ``write`` fills it."""
+        self._check_open()
+        with self._lock:
+            assert key not in self._index and key not in self._reserved, "duplicate host reservation (store bug)"
+            offset = self._slab.allocate(nbytes)
+            if offset is None:
+                return False
+            self._reserved[key] = offset
+            return True
+
+    def unreserve(self, key: bytes) -> None:
+        with self._lock:
+            offset = self._reserved.pop(key, None)
+            if offset is not None and not self._closed:
+                self._slab.free(offset)
 
     def read(self, key: bytes, dst: np.ndarray, first_layer: int = 0, num_layers: int | None = None) -> bool:
         self._check_open()
