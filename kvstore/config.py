@@ -120,8 +120,11 @@ class StoreConfig:
             raise InvalidRequest("at least one of the host and disk tiers must be enabled")
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> "StoreConfig":
-        """Defaults, then ``KVSTORE_*`` variables, then ``overrides`` (None values are ignored)."""
+    def from_env(cls, environ: Mapping[str, str] | None = None, host_settings: Mapping[str, object] | None = None,
+                 disk_settings: Mapping[str, object] | None = None, **overrides) -> "StoreConfig":
+        """Defaults, then ``KVSTORE_*`` variables, then ``overrides`` (None values are ignored) and
+        the tiers' ``host_settings`` and ``disk_settings`` (``HostConfig``/``DiskConfig`` fields, a
+        command's flags say). A tier whose capacity ends up 0 is disabled."""
         env = os.environ if environ is None else environ
         host, disk = HostConfig(), DiskConfig()
         for target, name, key, parse in ((host, "capacity_bytes", "HOST_CAPACITY", parse_size),
@@ -138,6 +141,9 @@ class StoreConfig:
                                            ("promote_on_hit", "PROMOTE_ON_HIT", parse_bool))
                   if ENV_PREFIX + key in env}
         values.update({k: v for k, v in overrides.items() if v is not None})
+        for target, settings in ((host, host_settings), (disk, disk_settings)):
+            for name, value in (settings or {}).items():
+                setattr(target, name, value)
         return cls(host=None if host.capacity_bytes == 0 else host,
                    disk=None if disk.capacity_bytes == 0 else disk, **values)
 

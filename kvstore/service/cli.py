@@ -21,9 +21,8 @@ import asyncio
 import logging
 import os
 import sys
-from dataclasses import replace
 
-from kvstore.config import DiskConfig, HostConfig, StoreConfig, default_data_dir, parse_size, read_as
+from kvstore.config import StoreConfig, default_data_dir, parse_size, read_as
 from kvstore.errors import KVStoreError, describe_os_error
 from kvstore.service.config import DEFAULT_ADDRESS, ServeConfig
 from kvstore.service.config_file import layered_environment
@@ -71,17 +70,16 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def store_config(args: argparse.Namespace, environ=None) -> StoreConfig:
-    """``StoreConfig.from_env`` with the tier flags applied on top (a size of 0 disables a tier)."""
-    config = StoreConfig.from_env(environ)
-    host, disk = config.host or HostConfig(), config.disk or DiskConfig()
+    """``StoreConfig.from_env`` with the tier flags applied on top. A capacity of 0, from a flag, a
+    variable or the config file, disables a tier; a flag's capacity enables one again."""
+    host, disk = {}, {}
     if args.data_dir:
-        disk.path = os.path.join(args.data_dir, "disk")
+        disk["path"] = os.path.join(args.data_dir, "disk")
     if args.host_capacity is not None:
-        host.capacity_bytes = read_as("--host-capacity", args.host_capacity, parse_size)
+        host["capacity_bytes"] = read_as("--host-capacity", args.host_capacity, parse_size)
     if args.disk_capacity is not None:
-        disk.capacity_bytes = read_as("--disk-capacity", args.disk_capacity, parse_size)
-    return replace(config, host=None if host.capacity_bytes == 0 else host,
-                   disk=None if disk.capacity_bytes == 0 else disk)
+        disk["capacity_bytes"] = read_as("--disk-capacity", args.disk_capacity, parse_size)
+    return StoreConfig.from_env(environ, host_settings=host, disk_settings=disk)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
@@ -12,6 +13,7 @@ import pytest
 
 from kvstore.config import StoreConfig
 from kvstore.errors import InvalidRequest
+from kvstore.service.cli import add_serve_arguments, store_config
 from kvstore.service.client import KVStoreClient
 from kvstore.service.config import ServeConfig
 from kvstore.service.config_file import as_environment, layered_environment
@@ -110,3 +112,35 @@ def test_a_bad_value_in_the_config_file_is_named_by_its_key_and_the_file(tmp_pat
                            "127.0.0.1:0", "--http-address", "off", "--data-dir", str(tmp_path)],
                           capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": REPO})
     assert flag.returncode == 2 and "kvstore serve: --host-capacity: cannot read 'lots' as a size" in flag.stderr
+
+
+def serve_args(*argv: str):
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+@pytest.mark.parametrize("source", ["environment", "file"])
+def test_a_capacity_of_0_outside_the_flags_disables_the_tier_for_serve(tmp_path, source):
+    """Before, ``kvstore serve`` rebuilt a tier a variable or the file had disabled, at its
+    default (automatic) capacity: only a flag's 0 disabled one."""
+    settings = {"KVSTORE_HOST_CAPACITY": "0", "KVSTORE_DISK_CAPACITY": "16MiB"}
+    if source == "file":
+        config = tmp_path / "kvstore.toml"
+        config.write_text('host_capacity = "0"\ndisk_capacity = "16MiB"\n')
+        environ = layered_environment(str(config), {})
+    else:
+        environ = settings
+    store = store_config(serve_args("--data-dir", str(tmp_path)), environ)
+    assert store.host is None
+    assert (store.disk.path, store.disk.capacity_bytes) == (str(tmp_path / "disk"), 16 << 20)
+    store = store_config(serve_args(), {"KVSTORE_DISK_CAPACITY": "0", "KVSTORE_HOST_CAPACITY": "1MiB"})
+    assert store.disk is None and store.host.capacity_bytes == 1 << 20
+
+
+def test_a_capacity_flag_enables_a_tier_the_environment_disabled_and_keeps_its_other_settings(tmp_path):
+    environ = {"KVSTORE_HOST_CAPACITY": "0", "KVSTORE_SHM_DIR": str(tmp_path), "KVSTORE_DISK_CAPACITY": "0"}
+    store = store_config(serve_args("--host-capacity", "2MiB"), environ)
+    assert (store.host.capacity_bytes, store.host.shm_dir, store.disk) == (2 << 20, str(tmp_path), None)
+    with pytest.raises(InvalidRequest, match="at least one of the host and disk tiers"):
+        store_config(serve_args("--host-capacity", "0"), {"KVSTORE_DISK_CAPACITY": "0"})
