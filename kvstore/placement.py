@@ -91,9 +91,11 @@ class PlacementMixin:
                             return False
                         self._publish(t, key, meta)
             finally:
-                tier.unreserve(key)  # the write took the room, unless it raised first
-                with self._lock:
-                    self._placing.discard((t, key))
+                try:
+                    tier.unreserve(key)  # the write took the room, unless it raised first
+                finally:
+                    with self._lock:
+                        self._placing.discard((t, key))
             if written:
                 return True
         return False
@@ -109,18 +111,23 @@ class PlacementMixin:
         room."""
         tried: set[bytes] = set()
         demotion = copied = None
+        refusals = 0  # reservations the tier refused after room was made (its books moved meanwhile)
         while True:
             with self._lock:
                 if demotion is not None and not self._finish_demotion(demotion, *copied):
                     tried.add(demotion.key)
+                demotion = None
                 if self._bits(key) >> t & 1:
                     return None
                 if (t, key) in self._placing:
                     return False
                 keep = meta.parent if self._only_copy(t, meta.parent) else None
                 room = self._make_room(t, meta.nbytes, keep, meta.parent, tried)
-                if room is True:
-                    room = self.tiers[t].reserve(key, meta.nbytes)  # it fits: the same test, under the same lock
+                if room is True and not self.tiers[t].reserve(key, meta.nbytes):
+                    refusals += 1  # a failed hole punch counted its bytes as dead meanwhile, say: make room again
+                    if refusals < 3:
+                        continue
+                    room = False
                 if room is True:
                     self._placing.add((t, key))
                 if room is True or room is False:

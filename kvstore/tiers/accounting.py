@@ -25,18 +25,18 @@ class AccountingTier(Tier):
         self._blocks: dict[bytes, BlockMeta] = {}
         self._used = 0  # bytes of the blocks held
         self._reservations: dict[bytes, int] = {}  # key -> bytes set aside for its write (``reserve``)
-        self._reserved = 0  # their sum
+        self._taken = 0  # _used and the reservations: one field, so a reader without the lock sees both at once
         self._lock = threading.Lock()
 
     @property
     def used_bytes(self) -> int:
-        return self._used + self._reserved
+        return self._taken
 
     def footprint(self, nbytes: int) -> int:
         return nbytes
 
     def can_fit(self, nbytes: int) -> bool:
-        return self._used + self._reserved + nbytes <= self.capacity_bytes
+        return self._taken + nbytes <= self.capacity_bytes
 
     def reserve(self, key: bytes, nbytes: int) -> bool:
         with self._lock:
@@ -44,12 +44,12 @@ class AccountingTier(Tier):
             if not self.can_fit(nbytes):
                 return False
             self._reservations[key] = nbytes
-            self._reserved += nbytes
+            self._taken += nbytes
             return True
 
     def unreserve(self, key: bytes) -> None:
         with self._lock:
-            self._reserved -= self._reservations.pop(key, 0)
+            self._taken -= self._reservations.pop(key, 0)
 
     def contains(self, key: bytes) -> bool:
         return key in self._blocks
@@ -64,11 +64,13 @@ class AccountingTier(Tier):
     def write(self, key: bytes, payload: np.ndarray, meta: BlockMeta) -> bool:
         with self._lock:
             assert key not in self._blocks, "duplicate write (store bug)"
-            self._reserved -= self._reservations.pop(key, 0)  # its reserved room, if any, is this write's
-            if not self.can_fit(meta.nbytes):
+            reserved = self._reservations.pop(key, 0)  # its reserved room, if any, is this write's
+            if self._taken - reserved + meta.nbytes > self.capacity_bytes:
+                self._taken -= reserved
                 return False
             self._blocks[key] = meta
             self._used += meta.nbytes
+            self._taken += meta.nbytes - reserved
             return True
 
     def read(self, key: bytes, dst: np.ndarray, first_layer: int = 0, num_layers: int | None = None) -> bool:
@@ -80,13 +82,14 @@ class AccountingTier(Tier):
             if meta is None:
                 return False
             self._used -= meta.nbytes
+            self._taken -= meta.nbytes
             return True
 
     def check_integrity(self) -> None:
         with self._lock:
             assert self._used == sum(m.nbytes for m in self._blocks.values()), "used bytes disagree with blocks"
-            assert self._reserved == sum(self._reservations.values()), "reserved bytes disagree with reservations"
-            assert 0 <= self._used + self._reserved <= self.capacity_bytes, "accounting tier over capacity"
+            assert self._taken == self._used + sum(self._reservations.values()), "taken bytes disagree with reservations"
+            assert 0 <= self._taken <= self.capacity_bytes, "accounting tier over capacity"
 
     def stats(self) -> TierStats:
         return TierStats(self.name, self.capacity_bytes, self.used_bytes, len(self._blocks))

@@ -8,7 +8,8 @@ Contract shared by all tiers:
 - ``write`` makes a block visible only once all its bytes are in place; it returns False when
   the tier has no room (the store evicts first, by policy) and never evicts on its own. The
   store ``reserve``s the room it made before it writes, so another thread's write cannot take
-  that room first; ``write`` takes the block's reservation, whatever its outcome.
+  that room first; a ``write`` that returns, stored or not, has taken the block's reservation
+  (one that raises may not have: the store then calls ``unreserve``).
 - ``read`` returns False on a miss. A block whose bytes fail verification is dropped, counted
   and reported as a miss: a tier never hands out wrong bytes.
 - Every method is safe to call from several threads. The store guarantees that a block being

@@ -52,7 +52,8 @@ class HostTier(Tier):
         self.segment_path = self._segment.path
         self._arena = np.frombuffer(self._segment.mmap, dtype=np.uint8)  # [capacity] bytes
         self._index: dict[bytes, tuple[int, BlockMeta]] = {}
-        self._reserved: dict[bytes, int] = {}  # key -> slot taken but not yet readable (reserved, or being copied in)
+        self._reserved: dict[bytes, int] = {}  # key -> slot set aside for its write (``reserve``)
+        self._copying: dict[bytes, int] = {}  # key -> slot its write is copying into (not yet readable)
         self._lock = threading.Lock()
         self._bytes_read = 0
         self._bytes_written = 0
@@ -112,17 +113,24 @@ class HostTier(Tier):
         self._check_open()
         assert payload.nbytes == meta.nbytes, "payload size disagrees with its meta (store bug)"
         with self._lock:
-            assert key not in self._index, "duplicate host write (store bug)"
-            offset = self._reserved.get(key)  # the slot reserved for it, else a free one now
+            assert key not in self._index and key not in self._copying, "duplicate host write (store bug)"
+            offset = self._reserved.pop(key, None)  # the slot reserved for it, else a free one now
             if offset is None:
                 offset = self._slab.allocate(meta.nbytes)
                 if offset is None:
                     return False
-                self._reserved[key] = offset
             assert self._slab.slot_class(offset) == self._slab.slot_bytes(meta.nbytes), "reserved for another size (bug)"
-        np.copyto(self._arena[offset : offset + meta.nbytes], payload)
+            self._copying[key] = offset
+        try:
+            np.copyto(self._arena[offset : offset + meta.nbytes], payload)
+        except BaseException:
+            with self._lock:
+                del self._copying[key]
+                if not self._closed:
+                    self._slab.free(offset)
+            raise
         with self._lock:
-            del self._reserved[key]
+            del self._copying[key]
             self._index[key] = (offset, meta)
             self._bytes_written += meta.nbytes
         return True
@@ -131,7 +139,8 @@ class HostTier(Tier):
         """Take a slot for ``key`` now (``Tier.reserve``); ``write`` fills it."""
         self._check_open()
         with self._lock:
-            assert key not in self._index and key not in self._reserved, "duplicate host reservation (store bug)"
+            assert key not in self._index and key not in self._reserved and key not in self._copying, \
+                "duplicate host reservation (store bug)"
             offset = self._slab.allocate(nbytes)
             if offset is None:
                 return False
@@ -168,7 +177,8 @@ class HostTier(Tier):
 
     def check_integrity(self) -> None:
         with self._lock:
-            offsets = [offset for offset, _ in self._index.values()] + list(self._reserved.values())
+            offsets = ([offset for offset, _ in self._index.values()] + list(self._reserved.values())
+                       + list(self._copying.values()))
             self._slab.check_integrity(offsets)
             assert len(set(offsets)) == len(offsets), "two blocks share a slot"
             free = self.capacity_bytes - self._slab.used_bytes

@@ -66,3 +66,44 @@ def test_a_put_during_another_puts_write_makes_its_own_room(make_store, namespac
     tier.check_integrity()
     if tier_name == "host":
         assert host_resident(store, ns_id, chain) == [True, True, False, False]
+
+
+@pytest.mark.parametrize("tier_name", sorted(TIERS))
+def test_the_room_of_a_write_that_raises_is_given_back(make_store, namespace, spec, monkeypatch, tier_name):
+    store = make_store(**TIERS[tier_name])
+    ns_id = store.register_namespace(namespace)
+    tier = store.tiers[0]
+    empty = tier.used_bytes
+
+    def broken(key, payload, meta):
+        raise RuntimeError("the device went away")
+
+    monkeypatch.setattr(tier, "write", broken)
+    with pytest.raises(RuntimeError, match="went away"):
+        put_chain(store, ns_id, spec, namespace_hashes(namespace, tokens(0, 1)))
+    assert tier.used_bytes == empty, "the reservation of the failed write was kept"
+    tier.check_integrity()
+    monkeypatch.undo()
+    _, result = put_chain(store, ns_id, spec, namespace_hashes(namespace, tokens(0, 4)))
+    assert result.stored == 4, "the tier lost room to the failed write"
+
+
+@pytest.mark.parametrize("refusals, stored", [(1, 1), (99, 0)])
+def test_a_refused_reservation_makes_room_again_and_gives_up_after_three(make_store, namespace, spec, monkeypatch,
+                                                                           refusals, stored):
+    """A tier may refuse a reservation right after room was made (its books moved meanwhile: a
+    failed hole punch counts its bytes as dead, say). The claim makes room again, three times at
+    most: the put is refused then, not retried forever."""
+    store = make_store(**TIERS["host"])
+    ns_id = store.register_namespace(namespace)
+    tier = store.tiers[0]
+    reserve, calls = tier.reserve, []
+
+    def refusing(key, nbytes):
+        calls.append(key)
+        return len(calls) > refusals and reserve(key, nbytes)
+
+    monkeypatch.setattr(tier, "reserve", refusing)
+    _, result = put_chain(store, ns_id, spec, namespace_hashes(namespace, tokens(0, 1)))
+    assert (result.stored, len(calls)) == (stored, min(refusals + 1, 3))
+    tier.check_integrity()
