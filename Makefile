@@ -9,7 +9,8 @@ TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 # Debian packages the tests and benchmarks use: chromium (dashboard browser tests), redis-server
 # (the sidecar benchmark's peer), prometheus (promtool checks deploy/), openssl (TLS test certs),
-# gcc and libxxhash-dev (the C loop of the prefix hash chain, kvstore/_chain.c; optional at build),
+# gcc and libxxhash-dev (the C loop of the prefix hash chain, kvstore/_chain.c, and HitDensity's
+# sampling loop, kvstore/policies/_sampling.c; optional at build),
 # g++, pkg-config and libgrpc++-dev (the sidecar's native data plane, kvstore/service/dataplane_native/;
 # optional at build: without it other hosts get blocks through the slower Python Get).
 SYSTEM_PACKAGES ?= chromium redis-server prometheus openssl gcc libxxhash-dev g++ pkg-config libgrpc++-dev
@@ -32,7 +33,7 @@ system-packages:
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $(SYSTEM_PACKAGES) >/dev/null; \
 	fi
 
-$(STAMP): pyproject.toml setup.py kvstore/_chain.c $(wildcard kvstore/service/dataplane_native/*) Makefile
+$(STAMP): pyproject.toml setup.py kvstore/_chain.c kvstore/policies/_sampling.c $(wildcard kvstore/service/dataplane_native/*) Makefile
 	@$(MAKE) --no-print-directory system-packages
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip

@@ -3,12 +3,15 @@
 - ``kvstore._chain``: the prefix hash chain's loop in C (kvstore/_chain.c). Needs a C compiler and
   xxHash's header (Debian: libxxhash-dev); without them kvstore.keys falls back to its Python loop,
   which gives the same digests.
+- ``kvstore.policies._sampling``: HitDensity's sampling loop in C (kvstore/policies/_sampling.c).
+  Needs a C compiler; without one kvstore.policies.hit_density runs its Python loop, which evicts
+  the same blocks.
 - ``kvstore.service._dataplane``: the sidecar's native data plane, a C++ gRPC server and client for
   the bytes path (kvstore/service/dataplane_native/, loaded with ctypes by kvstore.service.dataplane).
   Needs g++ and gRPC's C++ library (Debian: g++, libgrpc++-dev, pkg-config); without them the
   sidecar serves bytes through its Python Get alone.
 
-`make` installs every package both need. Both extensions are optional: a missing piece skips one.
+`make` installs every package they need. Every extension is optional: a missing piece skips one.
 """
 
 import shlex
@@ -43,6 +46,8 @@ def dataplane_extension() -> list[Extension]:
 setup(
     ext_modules=[
         Extension("kvstore._chain", sources=["kvstore/_chain.c"], extra_compile_args=["-O3"], optional=True),
+        Extension("kvstore.policies._sampling", sources=["kvstore/policies/_sampling.c"], extra_compile_args=["-O3"],
+                  optional=True),
         *dataplane_extension(),
     ]
 )

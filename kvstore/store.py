@@ -89,8 +89,8 @@ class TieredStore(PlacementMixin, LeaseHolderMixin):
         self._inflight: set[bytes] = set()  # keys being put right now
         self._placing: set[tuple[int, bytes]] = set()  # (tier, key) being written by _place right now
         self._doomed: set[bytes] = set()  # deleted while pinned: removed at the last unpin
-        # lower copies of blocks a faster tier also holds, evicted first (on_eviction only)
-        self._shadows = ShadowCopies(len(self.tiers)) if write_policy == "on_eviction" else None
+        # lower copies of blocks a faster tier also holds, evicted first (on_eviction, two tiers or more)
+        self._shadows = ShadowCopies(len(self.tiers)) if write_policy == "on_eviction" and len(self.tiers) > 1 else None
         self._leases = LeaseTable(max_leases, clock)
         self._lock = threading.RLock()
         self._counters: Counter[str] = Counter()

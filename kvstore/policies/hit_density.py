@@ -47,6 +47,11 @@ from typing import Callable, Iterator, Sequence
 
 from kvstore.policies.base import ChainPolicy, Entry
 
+try:  # the sampling loop in C (kvstore/policies/_sampling.c), built by ``pip install`` where it can be
+    from kvstore.policies import _sampling
+except ImportError:  # no C compiler at install time: the same loop in Python (``_least_dense_python``)
+    _sampling = None
+
 
 @functools.cache
 def _small_age_buckets(per_octave: int, age_buckets: int) -> tuple[int, ...]:
@@ -357,12 +362,29 @@ class HitDensityPolicy(ChainPolicy):
             yield victim
 
     def _least_dense(self, scheme: _Scheme, eligible: Callable[[bytes], bool]) -> bytes | None:
+        """The sampled leaf of least density by ``scheme`` that ``eligible`` accepts; every leaf
+        is looked at when the sample held none. Most of the policy's time: the sampling loop runs
+        in C where ``kvstore.policies._sampling`` is built (``native_sampling``), with the same
+        draws and comparisons as ``_sampled_python``, so the same leaf comes out."""
+        if not self._leaves:
+            return None
+        if _sampling is not None:
+            best = _sampling.least_dense(self.samples, scheme.rng.random, self._leaves, self._leaf_cls,
+                                         self._leaf_last, scheme.density_of_fine_class, self._bucket_of_small_age,
+                                         self._now, self._bucket_slow, eligible)
+        else:
+            best = self._sampled_python(scheme, eligible)
+        if best is None:  # the sample held nothing eligible: look at every leaf
+            candidates = [key for key in self._leaves if eligible(key)]
+            best = min(candidates, key=lambda key: self._density_of(scheme, key), default=None)
+        return best
+
+    def _sampled_python(self, scheme: _Scheme, eligible: Callable[[bytes], bool]) -> bytes | None:
+        """The sampled leaf of least density that ``eligible`` accepts, or None: ``_density_of``
+        inlined over the leaf set's own copy of each leaf's history. A sample is
+        ``leaves[int(random() * n)]``, as ``choices()`` draws."""
         leaves = self._leaves
         n = len(leaves)
-        if not n:
-            return None
-        # _density_of inlined over the leaf set's own copy of each leaf's history: this loop is
-        # most of the policy's time. A sample is leaves[int(random() * n)], as choices() draws.
         classes, lasts, densities, now = self._leaf_cls, self._leaf_last, scheme.density_of_fine_class, self._now
         small, random_ = self._bucket_of_small_age, scheme.rng.random
         smallest_slow = len(small)
@@ -373,10 +395,12 @@ class HitDensityPolicy(ChainPolicy):
             density = densities[classes[at]][small[age] if age < smallest_slow else self._bucket_slow(age)]
             if density < best_density and eligible(leaves[at]):
                 best, best_density = leaves[at], density
-        if best is None:  # the sample held nothing eligible: look at every leaf
-            candidates = [key for key in leaves if eligible(key)]
-            best = min(candidates, key=lambda key: self._density_of(scheme, key), default=None)
         return best
+
+
+def native_sampling() -> bool:
+    """Whether HitDensity's sampling loop runs in C (``kvstore.policies._sampling`` is built)."""
+    return _sampling is not None
 
 
 class PooledHitDensityPolicy(HitDensityPolicy):
