@@ -65,6 +65,29 @@ static Py_ssize_t bucket_of(long long age, PyObject *small, PyObject *bucket_slo
     return bucket;
 }
 
+/* Leaf ``at``'s class and last reference, read from the arrays' buffers, which are let go at
+ * once: no callback runs while they are held, so the policy may resize the arrays meanwhile. 0
+ * with an exception set when a buffer is of the wrong type or too short. */
+static int read_leaf(PyObject *class_array, PyObject *last_array, Py_ssize_t at, unsigned short *cls,
+                     long long *last) {
+    Py_buffer classes, lasts;
+    if (!typed_buffer(class_array, &classes, "H", "classes")) return 0;
+    if (!typed_buffer(last_array, &lasts, "q", "lasts")) {
+        PyBuffer_Release(&classes);
+        return 0;
+    }
+    int ok = at < classes.len / (Py_ssize_t)sizeof(unsigned short) && at < lasts.len / (Py_ssize_t)sizeof(long long);
+    if (ok) {
+        *cls = ((const unsigned short *)classes.buf)[at];
+        *last = ((const long long *)lasts.buf)[at];
+    } else {
+        PyErr_SetString(PyExc_ValueError, "classes and lasts need an item per leaf");
+    }
+    PyBuffer_Release(&classes);
+    PyBuffer_Release(&lasts);
+    return ok;
+}
+
 static PyObject *least_dense(PyObject *self, PyObject *args) {
     Py_ssize_t samples;
     long long now;
@@ -73,21 +96,9 @@ static PyObject *least_dense(PyObject *self, PyObject *args) {
                           &last_array, &PyList_Type, &densities, &PyTuple_Type, &small, &now, &bucket_slow,
                           &eligible))
         return NULL;
-    Py_buffer classes, lasts;
-    if (!typed_buffer(class_array, &classes, "H", "classes")) return NULL;
-    if (!typed_buffer(last_array, &lasts, "q", "lasts")) {
-        PyBuffer_Release(&classes);
-        return NULL;
-    }
     PyObject *best = Py_None;
     Py_INCREF(best);
-    const Py_ssize_t n = PyList_GET_SIZE(leaves);
-    if (classes.len / 2 < n || lasts.len / 8 < n) {
-        PyErr_SetString(PyExc_ValueError, "classes and lasts need an item per leaf");
-        goto fail;
-    }
-    const unsigned short *cls = classes.buf;
-    const long long *last = lasts.buf;
+    const Py_ssize_t n = PyList_GET_SIZE(leaves);  /* as the Python loop: drawn over the length at the start */
     const Py_ssize_t draws = samples < n ? samples : n;
     double best_density = INFINITY;
     for (Py_ssize_t i = 0; i < draws; i++) {
@@ -96,12 +107,18 @@ static PyObject *least_dense(PyObject *self, PyObject *args) {
         const double r = PyFloat_AsDouble(drawn);
         Py_DECREF(drawn);
         if (r == -1.0 && PyErr_Occurred()) goto fail;
+        if (!(r >= 0.0 && r < 1.0)) {
+            PyErr_SetString(PyExc_ValueError, "random() must return a float in [0, 1)");
+            goto fail;
+        }
         const Py_ssize_t at = (Py_ssize_t)(r * (double)n);
-        if (!in_range(at, n, "leaf")) goto fail;
-        const Py_ssize_t bucket = bucket_of(now - last[at], small, bucket_slow);
+        unsigned short cls;
+        long long last;
+        if (!read_leaf(class_array, last_array, at, &cls, &last)) goto fail;
+        const Py_ssize_t bucket = bucket_of(now - last, small, bucket_slow);
         if (bucket == -1 && PyErr_Occurred()) goto fail;
-        if (!in_range(cls[at], PyList_GET_SIZE(densities), "class")) goto fail;
-        PyObject *row = PyList_GET_ITEM(densities, cls[at]);
+        if (!in_range(cls, PyList_GET_SIZE(densities), "class")) goto fail;
+        PyObject *row = PyList_GET_ITEM(densities, cls);
         if (!PyList_Check(row)) {
             PyErr_SetString(PyExc_TypeError, "densities must be a list of lists");
             goto fail;
@@ -110,8 +127,9 @@ static PyObject *least_dense(PyObject *self, PyObject *args) {
         const double density = PyFloat_AsDouble(PyList_GET_ITEM(row, bucket));
         if (density == -1.0 && PyErr_Occurred()) goto fail;
         if (!(density < best_density)) continue;
+        if (!in_range(at, PyList_GET_SIZE(leaves), "leaf")) goto fail;  /* a callback may have shrunk it */
         PyObject *key = PyList_GET_ITEM(leaves, at);
-        Py_INCREF(key);  /* ``eligible`` may change the list */
+        Py_INCREF(key);
         PyObject *verdict = PyObject_CallOneArg(eligible, key);
         int accepted = verdict == NULL ? -1 : PyObject_IsTrue(verdict);
         Py_XDECREF(verdict);
@@ -126,13 +144,9 @@ static PyObject *least_dense(PyObject *self, PyObject *args) {
             Py_DECREF(key);
         }
     }
-    PyBuffer_Release(&classes);
-    PyBuffer_Release(&lasts);
     return best;
 fail:
     Py_DECREF(best);
-    PyBuffer_Release(&classes);
-    PyBuffer_Release(&lasts);
     return NULL;
 }
 

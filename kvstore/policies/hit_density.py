@@ -49,7 +49,7 @@ from kvstore.policies.base import ChainPolicy, Entry
 
 try:  # the sampling loop in C (kvstore/policies/_sampling.c), built by ``pip install`` where it can be
     from kvstore.policies import _sampling
-except ImportError:  # no C compiler at install time: the same loop in Python (``_least_dense_python``)
+except ImportError:  # no C compiler at install time: the same loop in Python (``_sampled_python``)
     _sampling = None
 
 

@@ -97,3 +97,33 @@ def test_a_replay_makes_the_same_decisions_with_either_loop(monkeypatch):
     python = {name: replay(trace, 30 * 512, name, with_optimal=False).hit_tokens for name in ("hit_density", "adaptive")}
     assert native == python and min(native.values()) > 0
     assert HitDensityPolicy.samples == 32
+
+
+def test_callbacks_that_change_the_leaf_set_get_an_error_or_a_resize_not_a_crash():
+    """No buffer is held while Python code runs, and the leaf list is re-measured before it is
+    read: a callback may resize the arrays, and one that empties the list gets an IndexError, as
+    the Python loop would raise (the policy never does either; this is memory safety)."""
+    densities = [[0.5] * 10 for _ in range(5)]
+
+    def run(state, eligible, draws):
+        return hit_density._sampling.least_dense(32, draws, state["leaves"], state["classes"], state["lasts"],
+                                                 densities, SMALL, state["now"], bucket_slow, eligible)
+
+    state = random_policy_state(random.Random(2), n=8)
+
+    def grow(key):
+        state["classes"].append(0), state["lasts"].append(0)  # a BufferError if a buffer were held
+        return False
+
+    assert run(state, grow, random.Random(0).random) is None and len(state["classes"]) > 8
+    state = random_policy_state(random.Random(2), n=8)
+
+    def clear(key):  # asked of the first sample, refuses it: the second is asked about next
+        state["leaves"].clear()
+        return False
+
+    with pytest.raises(IndexError, match="leaf index 7"):
+        run(state, clear, iter([0.0, 0.99] * 16).__next__)
+    state = random_policy_state(random.Random(2), n=8)
+    with pytest.raises(ValueError, match=r"\[0, 1\)"):
+        run(state, lambda k: True, lambda: 1.0)
