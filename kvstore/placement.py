@@ -38,7 +38,8 @@ class PlacementMixin:
             for t in range(len(self.tiers)):
                 if self._policies[t].admit(key, meta.parent, meta.nbytes) and self._place(t, key, view, meta):
                     self._write_through(key, t, meta)
-                    self._bypass(range(t), key, meta)
+                    if t:  # the faster tiers, which did not take it, hear that it came and went
+                        self._bypass(range(t), key, meta)
                     return "stored"
             self._bypass(range(len(self.tiers)), key, meta)
             return "rejected"
