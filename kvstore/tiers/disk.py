@@ -172,21 +172,6 @@ class DiskTier(DiskRecovery, DiskReclaim, Tier):
     def can_fit(self, nbytes: int) -> bool:
         return self.used_bytes + footprint(nbytes) <= self.capacity_bytes
 
-    def reserve(self, key: bytes, nbytes: int) -> bool:
-        """Count ``key``'s record as written from now on (``Tier.reserve``); only the books."""
-        size = footprint(nbytes)
-        with self._books:
-            self._check_open()
-            assert key not in self._index and key not in self._reservations, "duplicate disk reservation (store bug)"
-            if self._used_bytes() + size > self.capacity_bytes:
-                return False
-            self._reservations[key] = size
-            return True
-
-    def unreserve(self, key: bytes) -> None:
-        with self._books:
-            self._reservations.pop(key, None)
-
     def contains(self, key: bytes) -> bool:
         return key in self._index
 

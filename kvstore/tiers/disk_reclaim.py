@@ -1,4 +1,6 @@
-"""The disk tier's removals: the books at once, the I/O later.
+"""The disk tier's removals and reservations: the books at once, the I/O later.
+
+``reserve`` counts a record about to be written as used (``Tier.reserve``); the write takes it.
 
 ``discard`` (what the store calls under its lock) only updates the books under ``_books``, a lock
 never held through I/O: the record's index entry goes, its footprint stops counting against the
@@ -15,8 +17,8 @@ counting at once (it is deleted at the next reclaim), as before the split into b
 
 ``DiskReclaim`` is part of ``DiskTier`` (kept apart to keep each file to one concern). It expects
 the host class to provide ``path``, ``_lock``, ``_books``, ``_index``, ``_segments``, ``_active``,
-``_unindexed``, ``_holes``, ``_punches``, ``_closed``, ``_segments_dir``, ``_commit``, ``_count``
-and ``_check_open``.
+``_unindexed``, ``_holes``, ``_punches``, ``_reservations``, ``_closed``, ``_segments_dir``,
+``capacity_bytes``, ``_used_bytes``, ``_commit``, ``_count`` and ``_check_open``.
 """
 
 from __future__ import annotations
@@ -31,6 +33,21 @@ log = logging.getLogger("kvstore.tiers.disk")
 
 
 class DiskReclaim:
+    def reserve(self, key: bytes, nbytes: int) -> bool:
+        """Count ``key``'s record as written from now on (``Tier.reserve``); only the books."""
+        size = footprint(nbytes)
+        with self._books:
+            self._check_open()
+            assert key not in self._index and key not in self._reservations, "duplicate disk reservation (store bug)"
+            if self._used_bytes() + size > self.capacity_bytes:
+                return False
+            self._reservations[key] = size
+            return True
+
+    def unreserve(self, key: bytes) -> None:
+        with self._books:
+            self._reservations.pop(key, None)
+
     def remove(self, key: bytes) -> bool:
         found = self.discard(key)
         self.reclaim()
