@@ -9,8 +9,8 @@ TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 # Debian packages the tests and benchmarks use: chromium (dashboard browser tests), redis-server
 # (the sidecar benchmark's peer), prometheus (promtool checks deploy/), openssl (TLS test certs),
-# gcc and libxxhash-dev (the C loop of the prefix hash chain, kvstore/_chain.c, and HitDensity's
-# sampling loop, kvstore/policies/_sampling.c; optional at build),
+# gcc and libxxhash-dev (the C loop of the prefix hash chain, kvstore/_chain.c; gcc alone for
+# HitDensity's sampling loop, kvstore/policies/_sampling.c; both optional at build),
 # g++, pkg-config and libgrpc++-dev (the sidecar's native data plane, kvstore/service/dataplane_native/;
 # optional at build: without it other hosts get blocks through the slower Python Get).
 SYSTEM_PACKAGES ?= chromium redis-server prometheus openssl gcc libxxhash-dev g++ pkg-config libgrpc++-dev

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from array import array
+from types import SimpleNamespace
 
 import pytest
 
@@ -35,15 +36,11 @@ def random_policy_state(rng: random.Random, n: int) -> dict:
 
 
 def python_loop(samples, random_, leaves, classes, lasts, densities, small, now, slow, eligible):
-    """The loop of ``HitDensityPolicy._sampled_python``, over explicit arguments."""
-    best, best_density = None, float("inf")
-    for _ in range(min(samples, len(leaves))):
-        at = int(random_() * len(leaves))
-        age = now - lasts[at]
-        density = densities[classes[at]][small[age] if age < len(small) else slow(age)]
-        if density < best_density and eligible(leaves[at]):
-            best, best_density = leaves[at], density
-    return best
+    """``HitDensityPolicy._sampled_python`` itself, over explicit arguments in place of a policy."""
+    policy = SimpleNamespace(samples=samples, _leaves=leaves, _leaf_cls=classes, _leaf_last=lasts, _now=now,
+                             _bucket_of_small_age=small, _bucket_slow=slow)
+    scheme = SimpleNamespace(density_of_fine_class=densities, rng=SimpleNamespace(random=random_))
+    return HitDensityPolicy._sampled_python(policy, scheme, eligible)
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -96,7 +93,6 @@ def test_a_replay_makes_the_same_decisions_with_either_loop(monkeypatch):
     assert not native_sampling()
     python = {name: replay(trace, 30 * 512, name, with_optimal=False).hit_tokens for name in ("hit_density", "adaptive")}
     assert native == python and min(native.values()) > 0
-    assert HitDensityPolicy.samples == 32
 
 
 def test_callbacks_that_change_the_leaf_set_get_an_error_or_a_resize_not_a_crash():

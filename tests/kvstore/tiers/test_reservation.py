@@ -9,7 +9,7 @@ import pytest
 
 from kvstore.tiers.accounting import AccountingTier
 from kvstore.tiers.host import HostTier
-from tests.kvstore.tiers.disk_helpers import FP, NBYTES, key_of, payload_of, put
+from tests.kvstore.tiers.disk_helpers import FP, NBYTES, key_of, meta_of, payload_of, put
 
 HOST_BYTES = 64 << 10  # one page of slots of 24 KiB: room for two NBYTES blocks, not three
 
@@ -78,5 +78,23 @@ def test_a_reserved_host_slot_is_the_one_written(tmp_path):
         assert tier.read(key_of(1), dst) and np.array_equal(dst, payload_of(1))
         assert tier.read(key_of(2), dst) and np.array_equal(dst, payload_of(2))
         tier.check_integrity()
+    finally:
+        tier.close()
+
+
+def test_a_host_copy_that_raises_frees_its_slot(tmp_path):
+    tier = HostTier(HOST_BYTES, page_bytes=HOST_BYTES, shm_dir=str(tmp_path))
+    try:
+        good = payload_of(1)
+        floats = np.zeros(NBYTES // 8, np.float64)  # the right size, but no safe cast to bytes: copyto raises
+        for reserved in (False, True):
+            if reserved:
+                assert tier.reserve(key_of(1), NBYTES)
+            with pytest.raises(TypeError):
+                tier.write(key_of(1), floats, meta_of(good))
+            tier.unreserve(key_of(1))  # what the store does after a raise: nothing left to give back
+            assert tier.used_bytes == 0 and not tier.contains(key_of(1))
+            tier.check_integrity()
+        assert put(tier, 1) and put(tier, 2)
     finally:
         tier.close()
