@@ -21,16 +21,16 @@ def byte_view(buf, writable: bool = False) -> np.ndarray:
     be C-contiguous; with ``writable`` it must also be writable.
     """
     torch = sys.modules.get("torch")  # if torch was never imported, buf cannot be a tensor
-    if torch is not None and isinstance(buf, torch.Tensor):
+    if isinstance(buf, np.ndarray):  # the commonest, and never a tensor
+        if not buf.flags.c_contiguous:
+            raise InvalidRequest("buffer array must be C-contiguous")
+        view = buf.reshape(-1).view(np.uint8)
+    elif torch is not None and isinstance(buf, torch.Tensor):
         if buf.device.type != "cpu":
             raise InvalidRequest(f"buffer must live in host memory, got a tensor on {buf.device}")
         if not buf.is_contiguous():
             raise InvalidRequest("buffer tensor must be contiguous")
         view = buf.view(torch.uint8).reshape(-1).numpy()
-    elif isinstance(buf, np.ndarray):
-        if not buf.flags.c_contiguous:
-            raise InvalidRequest("buffer array must be C-contiguous")
-        view = buf.reshape(-1).view(np.uint8)
     else:
         try:
             view = np.frombuffer(memoryview(buf).cast("B"), dtype=np.uint8)

@@ -14,6 +14,7 @@ from kvstore.keys import DIGEST_BYTES
 
 MAX_TIERS = 6
 _LOWEST_BIT = tuple((bits & -bits).bit_length() - 1 for bits in range(1 << MAX_TIERS))
+_NO_BLOCKS: dict[bytes, int] = {}  # an unknown namespace's residency (never written)
 
 
 class Directory:
@@ -28,7 +29,7 @@ class Directory:
 
     def bits(self, key: bytes) -> int:
         """Bitmask of the tiers holding ``key`` (namespace id + block hash); 0 when none."""
-        return self._by_namespace.get(key[:DIGEST_BYTES], {}).get(key[DIGEST_BYTES:], 0)
+        return self._by_namespace.get(key[:DIGEST_BYTES], _NO_BLOCKS).get(key[DIGEST_BYTES:], 0)
 
     def top_tiers(self, ns_id: bytes, block_hashes: Sequence[bytes]) -> list[str]:
         """Name of the fastest tier holding each block of the contiguous run from the first."""
@@ -43,19 +44,19 @@ class Directory:
         return top
 
     def add(self, key: bytes, t: int) -> None:
-        residency = self._by_namespace.setdefault(key[:DIGEST_BYTES], {})
+        residency = self._by_namespace.get(key[:DIGEST_BYTES])
+        if residency is None:  # not setdefault(..., {}): that builds a dict on every call
+            residency = self._by_namespace[key[:DIGEST_BYTES]] = {}
         block_hash = key[DIGEST_BYTES:]
         residency[block_hash] = residency.get(block_hash, 0) | 1 << t
 
     def discard(self, key: bytes, t: int) -> None:
-        residency = self._by_namespace.get(key[:DIGEST_BYTES])
+        residency = self._by_namespace.get(key[:DIGEST_BYTES], _NO_BLOCKS)
         block_hash = key[DIGEST_BYTES:]
-        if residency is None or block_hash not in residency:
-            return
-        bits = residency[block_hash] & ~(1 << t)
+        bits = residency.get(block_hash, 0) & ~(1 << t)
         if bits:
             residency[block_hash] = bits
-        else:
+        elif block_hash in residency:
             del residency[block_hash]
 
     def keys(self, ns_id: bytes) -> list[bytes]:

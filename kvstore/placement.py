@@ -46,7 +46,8 @@ class PlacementMixin:
         finally:
             with self._lock:
                 self._inflight.discard(key)
-                self._bury_doomed([key])  # its namespace was deleted while it was being written
+                if self._doomed:
+                    self._bury_doomed([key])  # its namespace was deleted while it was being written
 
     def _bypass(self, tiers: range, key: bytes, meta: BlockMeta) -> str:
         """Tell the policies of those ``tiers`` that do not hold ``key`` that it came and went;
@@ -169,8 +170,14 @@ class PlacementMixin:
         if parent is None:
             return False
         new = {key for key in keys if not self._bits(key)}
-        return closes_loop(new, parent, lambda key: any(policy.has_resident_children(key) for policy in self._policies),
-                           self._resident_parent)
+        return closes_loop(new, parent, self._named_as_parent, self._resident_parent)
+
+    def _named_as_parent(self, key: bytes) -> bool:
+        """Whether a block resident in any tier names ``key`` as its parent. Caller holds the lock."""
+        for policy in self._policies:  # a loop, not any(): this runs for every block stored
+            if policy.has_resident_children(key):
+                return True
+        return False
 
     def _resident_parent(self, key: bytes) -> bytes | None:
         """The parent of resident ``key``; None at a chain's head or when no tier holds it."""

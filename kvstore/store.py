@@ -86,6 +86,7 @@ class TieredStore(PlacementMixin, LeaseHolderMixin):
         self.promote_on_hit = promote_on_hit
         self._namespaces: dict[bytes, tuple[Namespace, BlockSpec]] = {}
         self._directory = Directory(names)
+        self._bits = self._directory.bits  # the tiers holding a key, as a bitmask (hot: no wrapper of its own)
         self._inflight: set[bytes] = set()  # keys being put right now
         self._placing: set[tuple[int, bytes]] = set()  # (tier, key) being written by _place right now
         self._doomed: set[bytes] = set()  # deleted while pinned: removed at the last unpin
@@ -268,7 +269,7 @@ class TieredStore(PlacementMixin, LeaseHolderMixin):
 
     def _load_one(self, key: bytes, dst: np.ndarray, first_layer: int, num_layers: int) -> int | None:
         with self._lock:
-            bits = self._directory.bits(key)
+            bits = self._bits(key)
             if not bits:
                 return None
             self._leases.pin([key])
@@ -319,7 +320,7 @@ class TieredStore(PlacementMixin, LeaseHolderMixin):
                     raise InvalidRequest(
                         f"parent {parent.hex()} descends from a block of this put: storing it would make a "
                         "block its own ancestor (the parent must be the block before block_hashes[0])")
-        outcome: Counter[str] = Counter()
+        outcome = {"stored": 0, "duplicate": 0, "rejected": 0}  # a plain dict: Counter's misses cost a call
         previous = parent
         checksums = checksums_ahead(views, spec.num_layers, self._hasher)
         try:
@@ -334,13 +335,10 @@ class TieredStore(PlacementMixin, LeaseHolderMixin):
             checksums.close()
         with self._lock:
             self._counters["puts"] += 1
-            self._counters.update({f"{k}_blocks": v for k, v in outcome.items()})
+            self._counters.update({f"{k}_blocks": v for k, v in outcome.items() if v})
         return PutResult(outcome["stored"], outcome["duplicate"], outcome["rejected"])
 
     # ---- directory bookkeeping (caller holds the lock) ------------------------------------
-
-    def _bits(self, key: bytes) -> int:
-        return self._directory.bits(key)
 
     def _publish(self, t: int, key: bytes, meta: BlockMeta) -> None:
         self._directory.add(key, t)

@@ -16,7 +16,9 @@
  *
  * Exactly the Python loop: the same draws from the same stream, the same float comparisons in the
  * same order, ``eligible`` asked of the same keys. So a policy evicts the same blocks with or
- * without it (a test runs both on the same inputs). Knows nothing else of the policy.
+ * without it (a test runs both on the same inputs). Knows nothing else of the policy. The draws
+ * are all taken first (the Python loop takes each as it goes), so neither callback may draw from
+ * ``random``'s stream; the policy's do not. The arrays' buffers are held between callbacks only.
  *
  * Why it exists: the loop is a fifth of an ``adaptive`` replay's time in Python, 32 draws per
  * eviction and one more per candidate's miniature.
@@ -46,47 +48,61 @@ static int typed_buffer(PyObject *obj, Py_buffer *view, const char *format, cons
     return 1;
 }
 
-/* The age bucket of ``age``: small[age] (a negative age indexes from the end, as in Python), else
- * bucket_slow(age). -1 with an exception set on failure. */
-static Py_ssize_t bucket_of(long long age, PyObject *small, PyObject *bucket_slow) {
-    const Py_ssize_t smallest_slow = PyTuple_GET_SIZE(small);
-    if (age < smallest_slow) {
-        Py_ssize_t at = (Py_ssize_t)(age < 0 ? age + smallest_slow : age);
-        if (!in_range(at, smallest_slow, "small age")) return -1;
-        return PyLong_AsSsize_t(PyTuple_GET_ITEM(small, at));
+/* The classes' and lasts' buffers, held only while no Python code runs. */
+typedef struct {
+    PyObject *class_array, *last_array;
+    Py_buffer classes, lasts;
+    int held;
+} LeafArrays;
+
+static void let_go(LeafArrays *arrays) {
+    if (arrays->held) {
+        PyBuffer_Release(&arrays->classes);
+        PyBuffer_Release(&arrays->lasts);
+        arrays->held = 0;
     }
-    PyObject *boxed = PyLong_FromLongLong(age);
-    if (boxed == NULL) return -1;
-    PyObject *result = PyObject_CallOneArg(bucket_slow, boxed);
-    Py_DECREF(boxed);
-    if (result == NULL) return -1;
-    Py_ssize_t bucket = PyLong_AsSsize_t(result);
-    Py_DECREF(result);
-    return bucket;
 }
 
-/* Leaf ``at``'s class and last reference, read from the arrays' buffers, which are let go at
- * once: no callback runs while they are held, so the policy may resize the arrays meanwhile. 0
+/* Leaf ``at``'s class and last reference, from the arrays' buffers (taken if not held; the
+ * caller lets them go before any callback, so the policy may resize the arrays meanwhile). 0
  * with an exception set when a buffer is of the wrong type or too short. */
-static int read_leaf(PyObject *class_array, PyObject *last_array, Py_ssize_t at, unsigned short *cls,
-                     long long *last) {
-    Py_buffer classes, lasts;
-    if (!typed_buffer(class_array, &classes, "H", "classes")) return 0;
-    if (!typed_buffer(last_array, &lasts, "q", "lasts")) {
-        PyBuffer_Release(&classes);
+static int read_leaf(LeafArrays *arrays, Py_ssize_t at, unsigned short *cls, long long *last) {
+    if (!arrays->held) {
+        if (!typed_buffer(arrays->class_array, &arrays->classes, "H", "classes")) return 0;
+        if (!typed_buffer(arrays->last_array, &arrays->lasts, "q", "lasts")) {
+            PyBuffer_Release(&arrays->classes);
+            return 0;
+        }
+        arrays->held = 1;
+    }
+    if (at >= arrays->classes.len / (Py_ssize_t)sizeof(unsigned short) ||
+        at >= arrays->lasts.len / (Py_ssize_t)sizeof(long long)) {
+        PyErr_SetString(PyExc_ValueError, "classes and lasts need an item per leaf");
         return 0;
     }
-    int ok = at < classes.len / (Py_ssize_t)sizeof(unsigned short) && at < lasts.len / (Py_ssize_t)sizeof(long long);
-    if (ok) {
-        *cls = ((const unsigned short *)classes.buf)[at];
-        *last = ((const long long *)lasts.buf)[at];
-    } else {
-        PyErr_SetString(PyExc_ValueError, "classes and lasts need an item per leaf");
-    }
-    PyBuffer_Release(&classes);
-    PyBuffer_Release(&lasts);
-    return ok;
+    *cls = ((const unsigned short *)arrays->classes.buf)[at];
+    *last = ((const long long *)arrays->lasts.buf)[at];
+    return 1;
 }
+
+/* ``draws`` calls of ``random``, each checked to lie in [0, 1), into ``out``. 0 with an
+ * exception set otherwise. */
+static int draw_all(PyObject *random, Py_ssize_t draws, double *out) {
+    for (Py_ssize_t i = 0; i < draws; i++) {
+        PyObject *drawn = PyObject_CallNoArgs(random);
+        if (drawn == NULL) return 0;
+        out[i] = PyFloat_AsDouble(drawn);
+        Py_DECREF(drawn);
+        if (out[i] == -1.0 && PyErr_Occurred()) return 0;
+        if (!(out[i] >= 0.0 && out[i] < 1.0)) {
+            PyErr_SetString(PyExc_ValueError, "random() must return a float in [0, 1)");
+            return 0;
+        }
+    }
+    return 1;
+}
+
+#define STACK_DRAWS 64
 
 static PyObject *least_dense(PyObject *self, PyObject *args) {
     Py_ssize_t samples;
@@ -96,26 +112,37 @@ static PyObject *least_dense(PyObject *self, PyObject *args) {
                           &last_array, &PyList_Type, &densities, &PyTuple_Type, &small, &now, &bucket_slow,
                           &eligible))
         return NULL;
-    PyObject *best = Py_None;
-    Py_INCREF(best);
     const Py_ssize_t n = PyList_GET_SIZE(leaves);  /* as the Python loop: drawn over the length at the start */
     const Py_ssize_t draws = samples < n ? samples : n;
+    double on_stack[STACK_DRAWS];
+    double *drawn = draws <= STACK_DRAWS ? on_stack : PyMem_New(double, draws);
+    if (drawn == NULL) return PyErr_NoMemory();
+    LeafArrays arrays = {class_array, last_array, .held = 0};
+    PyObject *best = Py_None;
+    Py_INCREF(best);
+    if (!draw_all(random, draws, drawn)) goto fail;
+    const Py_ssize_t smallest_slow = PyTuple_GET_SIZE(small);
     double best_density = INFINITY;
     for (Py_ssize_t i = 0; i < draws; i++) {
-        PyObject *drawn = PyObject_CallNoArgs(random);
-        if (drawn == NULL) goto fail;
-        const double r = PyFloat_AsDouble(drawn);
-        Py_DECREF(drawn);
-        if (r == -1.0 && PyErr_Occurred()) goto fail;
-        if (!(r >= 0.0 && r < 1.0)) {
-            PyErr_SetString(PyExc_ValueError, "random() must return a float in [0, 1)");
-            goto fail;
-        }
-        const Py_ssize_t at = (Py_ssize_t)(r * (double)n);
+        const Py_ssize_t at = (Py_ssize_t)(drawn[i] * (double)n);
         unsigned short cls;
         long long last;
-        if (!read_leaf(class_array, last_array, at, &cls, &last)) goto fail;
-        const Py_ssize_t bucket = bucket_of(now - last, small, bucket_slow);
+        if (!read_leaf(&arrays, at, &cls, &last)) goto fail;
+        const long long age = now - last;
+        Py_ssize_t bucket;
+        if (age < smallest_slow) {  /* a negative age indexes from the end, as in Python */
+            const Py_ssize_t small_at = (Py_ssize_t)(age < 0 ? age + smallest_slow : age);
+            if (!in_range(small_at, smallest_slow, "small age")) goto fail;
+            bucket = PyLong_AsSsize_t(PyTuple_GET_ITEM(small, small_at));
+        } else {
+            let_go(&arrays);  /* Python code runs next */
+            PyObject *boxed = PyLong_FromLongLong(age);
+            PyObject *result = boxed == NULL ? NULL : PyObject_CallOneArg(bucket_slow, boxed);
+            Py_XDECREF(boxed);
+            if (result == NULL) goto fail;
+            bucket = PyLong_AsSsize_t(result);
+            Py_DECREF(result);
+        }
         if (bucket == -1 && PyErr_Occurred()) goto fail;
         if (!in_range(cls, PyList_GET_SIZE(densities), "class")) goto fail;
         PyObject *row = PyList_GET_ITEM(densities, cls);
@@ -127,6 +154,7 @@ static PyObject *least_dense(PyObject *self, PyObject *args) {
         const double density = PyFloat_AsDouble(PyList_GET_ITEM(row, bucket));
         if (density == -1.0 && PyErr_Occurred()) goto fail;
         if (!(density < best_density)) continue;
+        let_go(&arrays);  /* Python code runs next */
         if (!in_range(at, PyList_GET_SIZE(leaves), "leaf")) goto fail;  /* a callback may have shrunk it */
         PyObject *key = PyList_GET_ITEM(leaves, at);
         Py_INCREF(key);
@@ -144,8 +172,12 @@ static PyObject *least_dense(PyObject *self, PyObject *args) {
             Py_DECREF(key);
         }
     }
+    let_go(&arrays);
+    if (drawn != on_stack) PyMem_Free(drawn);
     return best;
 fail:
+    let_go(&arrays);
+    if (drawn != on_stack) PyMem_Free(drawn);
     Py_DECREF(best);
     return NULL;
 }

@@ -168,6 +168,8 @@ class HitDensityPolicy(ChainPolicy):
         self._bucket_of_small_age = _small_age_buckets(self.per_octave, self.age_buckets)
         self._age_bucket_floors = _age_bucket_floors(self.per_octave, self.age_buckets)
         self._next_reconfigure = self.first_reconfigure
+        # _class(uses, False) of a new block and of one referenced again (index: uses, the last for more)
+        self._class_by_uses = tuple(self._class(uses, False) for uses in range(self._fine_use_classes + 2))
 
     @property
     def scheme_names(self) -> tuple[str, ...]:
@@ -221,18 +223,20 @@ class HitDensityPolicy(ChainPolicy):
 
     def _reference(self, key: bytes) -> None:
         """A hit on ``key`` or a store of it: a reuse at its age if the history remembers it."""
-        history = self._history
+        history, by_uses = self._history, self._class_by_uses
         seen = history.pop(key, None)
         if seen is None:
-            seen = _Seen(self._class(1, False), self._now, 1)
+            seen = _Seen(by_uses[1], self._now, 1)
         else:
             bucket = self._bucket(self._now - seen.last)
             for scheme in self._schemes:
                 scheme.reused[scheme.fold[seen.cls]][bucket] += 1
             seen.uses += 1
-            seen.cls, seen.last = self._class(seen.uses, False), self._now
+            seen.cls, seen.last = by_uses[min(seen.uses, len(by_uses) - 1)], self._now
         history[key] = seen  # last in the history's order: it is ordered by last reference
-        self._note_leaf(key, seen)
+        at = self._leaf_at.get(key)  # _note_leaf, inlined: every reference comes here
+        if at is not None:
+            self._leaf_cls[at], self._leaf_last[at] = seen.cls, seen.last
         limit = self.history_factor * len(self._entries) + 1024
         while len(history) > limit:
             oldest_key = next(iter(history))

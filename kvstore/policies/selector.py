@@ -80,18 +80,11 @@ class SharedCandidates:
     def __init__(self, policy: HitDensityPolicy) -> None:
         self.policy = policy
         self.names = policy.scheme_names
+        # every event goes straight to the one record: no frame of this object's own per block
+        self.on_insert, self.on_access, self.on_remove = policy.on_insert, policy.on_access, policy.on_remove
 
     def admit(self, key: bytes, parent: bytes | None, nbytes: int) -> list[bool]:
         return [self.policy.admit(key, parent, nbytes)] * len(self.names)
-
-    def on_insert(self, key: bytes, parent: bytes | None, nbytes: int) -> None:
-        self.policy.on_insert(key, parent, nbytes)
-
-    def on_access(self, key: bytes) -> None:
-        self.policy.on_access(key)
-
-    def on_remove(self, key: bytes) -> None:
-        self.policy.on_remove(key)
 
     def victims(self, candidate: int, evictable: Callable[[bytes], bool]) -> Iterator[bytes]:
         return self.policy.victims_of(candidate, evictable)
@@ -197,7 +190,8 @@ class SelectorPolicy(EvictionPolicy):
         if not link.in_tier:
             link.in_tier = True
             self._resident += 1
-            self._most_resident = max(self._most_resident, self._resident)
+            if self._resident > self._most_resident:
+                self._most_resident = self._resident
         if link.sampled:
             self._simulate(key, link.parent)
 
@@ -245,5 +239,9 @@ class SelectorPolicy(EvictionPolicy):
                 self._leader = best
 
     def _forget_if_unused(self, key: bytes, link: _Link) -> None:
-        if not link.in_tier and not any(key in m.resident for m in self._miniatures):
-            del self._links[key]
+        if link.in_tier:
+            return
+        for miniature in self._miniatures:  # a loop, not any(): this runs for most blocks removed
+            if key in miniature.resident:
+                return
+        del self._links[key]
