@@ -5,7 +5,7 @@ under the lock: writes and demotions run between holdings of it, evictions only 
 
 ``PlacementMixin`` is half of ``TieredStore`` (kept apart to keep each file to one concern). It
 expects the host class to provide ``tiers``, ``_policies``, ``_lock`` (re-entrant), ``_leases``,
-``_inflight``, ``_doomed``, ``_placing``, ``_counters``, ``_writer``, ``write_policy``, ``_shadows``
+``_inflight``, ``_doomed``, ``_placing``, ``_copy_backlog``, ``_counters``, ``_writer``, ``write_policy``, ``_shadows``
 and the bookkeeping methods ``_bits``, ``_publish``, ``_forget`` and ``_bury_doomed``. Methods whose
 docstring says "caller holds the lock" must be called under ``_lock``; the others take it
 themselves and copy bytes outside it.
@@ -21,6 +21,10 @@ import numpy as np
 from kvstore.checksum import layer_checksums
 from kvstore.tiers.base import BlockMeta
 from kvstore.validation import closes_loop
+
+# The share of a tier's capacity that blocks waiting for their background write-through copy
+# may pin; past it the copy runs in the putting thread.
+WRITE_THROUGH_BACKLOG = 0.25
 
 
 class PlacementMixin:
@@ -185,18 +189,33 @@ class PlacementMixin:
         return next((tier.parent_of(key) for t, tier in enumerate(self.tiers) if bits >> t & 1), None)
 
     def _write_through(self, key: bytes, source: int, meta: BlockMeta) -> None:
+        """Copy ``key`` from tier ``source`` to every lower tier: in the background while the
+        copies queued from ``source`` pin at most ``WRITE_THROUGH_BACKLOG`` of its capacity, else
+        in the caller (backpressure). A queued copy pins its block until it is done, and a tier
+        full of pinned blocks could only evict the unpinned ones, its hottest, to make room."""
         if self.write_policy != "write_through":
             return
+        tier = self.tiers[source]
         for target in range(source + 1, len(self.tiers)):
             with self._lock:
                 self._leases.pin([key])
-            job = lambda target=target: self._copy_down(key, source, target, meta)  # noqa: E731
-            if self._writer is None:
-                job()
-            else:
+                pinned = tier.footprint(meta.nbytes)
+                queued = (self._writer is not None
+                          and self._copy_backlog[source] + pinned <= tier.capacity_bytes * WRITE_THROUGH_BACKLOG)
+                if queued:
+                    self._copy_backlog[source] += pinned
+                elif self._writer is not None:
+                    self._counters["write_through_backlog_inline"] += 1
+            job = lambda target=target, backlog=pinned if queued else 0: (  # noqa: E731
+                self._copy_down(key, source, target, meta, backlog))
+            if queued:
                 self._writer.submit(job)
+            else:
+                job()
 
-    def _copy_down(self, key: bytes, source: int, target: int, meta: BlockMeta) -> None:
+    def _copy_down(self, key: bytes, source: int, target: int, meta: BlockMeta, backlog: int = 0) -> None:
+        """Copy pinned ``key`` from tier ``source`` into ``target``, then unpin it and take its
+        ``backlog`` bytes off ``source``'s (``_write_through``)."""
         try:
             payload = self.tiers[source].view(key)
             if payload is None:
@@ -207,6 +226,7 @@ class PlacementMixin:
         finally:
             with self._lock:
                 self._leases.unpin([key])
+                self._copy_backlog[source] -= backlog
                 self._bury_doomed([key])
 
     def _make_room(self, t: int, nbytes: int, keep: bytes | None = None, parent: bytes | None = None,

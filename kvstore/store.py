@@ -89,6 +89,7 @@ class TieredStore(PlacementMixin, LeaseHolderMixin):
         self._bits = self._directory.bits  # the tiers holding a key, as a bitmask (hot: no wrapper of its own)
         self._inflight: set[bytes] = set()  # keys being put right now
         self._placing: set[tuple[int, bytes]] = set()  # (tier, key) being written by _place right now
+        self._copy_backlog = [0] * len(self.tiers)  # bytes of each tier pinned by queued write-through copies
         self._doomed: set[bytes] = set()  # deleted while pinned: removed at the last unpin
         # lower copies of blocks a faster tier also holds, evicted first (on_eviction, two tiers or more)
         self._shadows = ShadowCopies(len(self.tiers)) if write_policy == "on_eviction" and len(self.tiers) > 1 else None
@@ -453,7 +454,8 @@ class TieredStore(PlacementMixin, LeaseHolderMixin):
                 rejected_blocks=c["rejected_blocks"],
                 leases_active=len(self._leases),
                 lease_expiries=self._leases.expired_total,
-                counters={"writes_run_inline": self._writer.ran_inline if self._writer else 0,
+                counters={"writes_run_inline": (self._writer.ran_inline if self._writer else 0)
+                                            + self._counters["write_through_backlog_inline"],
                           "busy_lookups": self._busy_lookups},
             )
 

@@ -1,0 +1,52 @@
+"""Background write-through copies pin their blocks until they are done. ``WRITE_THROUGH_BACKLOG``
+bounds how much of a tier such copies may pin, so a slow lower tier slows the puts (their copies
+run in the putting thread) instead of leaving the policy only the unpinned blocks, the hot ones,
+to evict. The slow tier is a real disk tier whose record writes wait on an event (``StuckDisk``)."""
+
+from __future__ import annotations
+
+from kvstore.keys import namespace_hashes
+from kvstore.placement import WRITE_THROUGH_BACKLOG
+from tests.kvstore.store_helpers import SLOTS4, host_resident, load_all, put_chain, tokens, until
+from tests.kvstore.test_store_lock_io import StuckDisk, in_thread
+
+
+def test_a_stuck_lower_tier_slows_puts_instead_of_costing_the_hot_block_its_host_slot(
+        make_store, namespace, spec, monkeypatch):
+    store = make_store(**SLOTS4, write_policy="write_through")  # 4 host slots, copies in the background
+    assert WRITE_THROUGH_BACKLOG * 4 < 2  # so queued copies may pin one host block, not two
+    ns_id = store.register_namespace(namespace)
+    hot = namespace_hashes(namespace, tokens(0, 1))
+    put_chain(store, ns_id, spec, hot)
+    store.flush()  # the hot block is on disk too, and nothing is pinned
+    disk = StuckDisk(store.tiers[1], monkeypatch)
+    one_offs = [namespace_hashes(namespace, tokens(1000 * (i + 1), 1)) for i in range(4)]
+    done: list[int] = []
+
+    def serve():
+        for i, chain in enumerate(one_offs):
+            if i == 2:  # the hot block is read after two one-offs: LRU's victims come in the order 0, 1, hot, 2
+                load_all(store, ns_id, spec, hot)
+            put_chain(store, ns_id, spec, chain)
+            done.append(i)
+
+    putter = in_thread(serve)
+    try:
+        assert disk.started.wait(10), "the first copy never reached the disk"
+        assert until(lambda: len(done) >= 1), "the first put waited for its queued copy"
+        putter.join(0.5)
+        # the second copy would pin a second block: it runs in the putter, which waits for the disk
+        assert putter.is_alive() and done == [0]
+    finally:
+        disk.release()
+        putter.join(30)
+    assert done == [0, 1, 2, 3]
+    store.flush()
+    # room for the fourth one-off came from a one-off whose copy had finished, not from the hot block
+    assert host_resident(store, ns_id, hot) == [True]
+    assert store.lookup(ns_id, hot).tiers == ("host",)
+    assert sum(host_resident(store, ns_id, chain)[0] for chain in one_offs) == 3
+    assert store._copy_backlog == [0, 0] and store.stats().counters["writes_run_inline"] >= 1
+    result, dsts = load_all(store, ns_id, spec, one_offs[3])
+    assert result.tiers == ("host",)
+    store.check_integrity()
