@@ -13,6 +13,7 @@ themselves and copy bytes outside it.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from typing import NamedTuple
 
@@ -22,8 +23,10 @@ from kvstore.checksum import layer_checksums
 from kvstore.tiers.base import BlockMeta
 from kvstore.validation import closes_loop
 
+log = logging.getLogger(__name__)
+
 # The share of a tier's capacity that blocks waiting for their background write-through copy
-# may pin; past it the copy runs in the putting thread.
+# may pin; past it the copy runs in the putting thread (one copy may always wait).
 WRITE_THROUGH_BACKLOG = 0.25
 
 
@@ -189,40 +192,44 @@ class PlacementMixin:
         return next((tier.parent_of(key) for t, tier in enumerate(self.tiers) if bits >> t & 1), None)
 
     def _write_through(self, key: bytes, source: int, meta: BlockMeta) -> None:
-        """Copy ``key`` from tier ``source`` to every lower tier: in the background while the
-        copies queued from ``source`` pin at most ``WRITE_THROUGH_BACKLOG`` of its capacity, else
-        in the caller (backpressure). A queued copy pins its block until it is done, and a tier
-        full of pinned blocks could only evict the unpinned ones, its hottest, to make room."""
-        if self.write_policy != "write_through":
+        """Copy ``key`` from tier ``source`` to every lower tier, pinned meanwhile: in the
+        background while the copies queued from ``source`` pin at most ``WRITE_THROUGH_BACKLOG``
+        of its capacity (or none is queued), else in the caller (backpressure). A tier full of
+        blocks pinned for their copies could only evict the unpinned ones, its hottest."""
+        if self.write_policy != "write_through" or source + 1 == len(self.tiers):
             return
         tier = self.tiers[source]
-        for target in range(source + 1, len(self.tiers)):
-            with self._lock:
-                self._leases.pin([key])
-                pinned = tier.footprint(meta.nbytes)
-                queued = (self._writer is not None
-                          and self._copy_backlog[source] + pinned <= tier.capacity_bytes * WRITE_THROUGH_BACKLOG)
-                if queued:
-                    self._copy_backlog[source] += pinned
-                elif self._writer is not None:
-                    self._counters["write_through_backlog_inline"] += 1
-            job = lambda target=target, backlog=pinned if queued else 0: (  # noqa: E731
-                self._copy_down(key, source, target, meta, backlog))
+        with self._lock:
+            self._leases.pin([key])
+            pinned = tier.footprint(meta.nbytes)
+            backlog = self._copy_backlog[source]
+            queued = self._writer is not None and (
+                not backlog or backlog + pinned <= tier.capacity_bytes * WRITE_THROUGH_BACKLOG)
             if queued:
-                self._writer.submit(job)
-            else:
-                job()
+                self._copy_backlog[source] += pinned
+            elif self._writer is not None:
+                self._counters["write_through_backlog_inline"] += 1
+        job = lambda backlog=pinned if queued else 0: self._copy_down(key, source, meta, backlog)  # noqa: E731
+        if queued:
+            self._writer.submit(job)
+        else:
+            job()
 
-    def _copy_down(self, key: bytes, source: int, target: int, meta: BlockMeta, backlog: int = 0) -> None:
-        """Copy pinned ``key`` from tier ``source`` into ``target``, then unpin it and take its
-        ``backlog`` bytes off ``source``'s (``_write_through``)."""
+    def _copy_down(self, key: bytes, source: int, meta: BlockMeta, backlog: int = 0) -> None:
+        """Copy pinned ``key`` from tier ``source`` into every lower tier, then unpin it and take
+        its ``backlog`` bytes off ``source``'s (``_write_through``). A copy that fails is logged
+        and lost, never the caller's error: the block is stored in ``source`` already."""
         try:
             payload = self.tiers[source].view(key)
             if payload is None:
                 payload = np.empty(meta.nbytes, np.uint8)
                 if not self.tiers[source].read(key, payload):
                     return
-            self._place(target, key, payload, meta)
+            for target in range(source + 1, len(self.tiers)):
+                try:
+                    self._place(target, key, payload, meta)
+                except Exception:
+                    log.exception("write-through copy to the %s tier failed", self.tiers[target].name)
         finally:
             with self._lock:
                 self._leases.unpin([key])

@@ -50,3 +50,48 @@ def test_a_stuck_lower_tier_slows_puts_instead_of_costing_the_hot_block_its_host
     result, dsts = load_all(store, ns_id, spec, one_offs[3])
     assert result.tiers == ("host",)
     store.check_integrity()
+
+
+def test_a_copy_that_fails_is_logged_and_lost_not_the_putters_error(make_store, namespace, spec, monkeypatch, caplog):
+    store = make_store(**SLOTS4, write_policy="write_through", background_writes=False)  # every copy inline
+    ns_id = store.register_namespace(namespace)
+
+    def broken(*args):
+        raise RuntimeError("the disk tier broke")
+
+    monkeypatch.setattr(store.tiers[1], "write", broken)
+    chain = namespace_hashes(namespace, tokens(0, 2))
+    _, result = put_chain(store, ns_id, spec, chain)
+    assert result.stored == 2  # stored in the host tier; only the lower copies were lost
+    assert store.lookup(ns_id, chain).tiers == ("host", "host")
+    assert caplog.text.count("write-through copy to the disk tier failed") == 2
+    assert store._copy_backlog == [0, 0] and not any(store._leases.is_pinned(ns_id + h) for h in chain)
+    store.check_integrity()
+
+
+def test_a_tier_whose_blocks_are_each_above_the_share_still_queues_one_copy(make_store, namespace, spec, monkeypatch):
+    store = make_store(host_bytes=32 << 10, page_bytes=16 << 10, write_policy="write_through")  # 2 host slots
+    assert WRITE_THROUGH_BACKLOG * 2 < 1  # one block alone is above the share
+    ns_id = store.register_namespace(namespace)
+    disk = StuckDisk(store.tiers[1], monkeypatch)
+    chains = [namespace_hashes(namespace, tokens(1000 * i, 1)) for i in range(2)]
+    done: list[int] = []
+
+    def serve():
+        for i, chain in enumerate(chains):
+            put_chain(store, ns_id, spec, chain)
+            done.append(i)
+
+    putter = in_thread(serve)
+    try:
+        assert disk.started.wait(10), "the first copy never reached the disk"
+        assert until(lambda: len(done) >= 1), "the first copy did not go to the background"
+        putter.join(0.5)
+        assert putter.is_alive() and done == [0]  # the second waits for the disk
+    finally:
+        disk.release()
+        putter.join(30)
+    assert done == [0, 1]
+    store.flush()
+    assert store._copy_backlog == [0, 0]
+    assert all(store.tiers[1].contains(ns_id + chain[0]) for chain in chains)  # both copies reached the disk
