@@ -151,7 +151,11 @@ static PyObject *least_dense(PyObject *self, PyObject *args) {
             goto fail;
         }
         if (!in_range(bucket, PyList_GET_SIZE(row), "age bucket")) goto fail;
-        const double density = PyFloat_AsDouble(PyList_GET_ITEM(row, bucket));
+        PyObject *item = PyList_GET_ITEM(row, bucket);
+        Py_INCREF(item);
+        if (!PyFloat_CheckExact(item)) let_go(&arrays);  /* its __float__ is Python code */
+        const double density = PyFloat_AsDouble(item);
+        Py_DECREF(item);
         if (density == -1.0 && PyErr_Occurred()) goto fail;
         if (!(density < best_density)) continue;
         let_go(&arrays);  /* Python code runs next */

@@ -123,3 +123,20 @@ def test_callbacks_that_change_the_leaf_set_get_an_error_or_a_resize_not_a_crash
     state = random_policy_state(random.Random(2), n=8)
     with pytest.raises(ValueError, match=r"\[0, 1\)"):
         run(state, lambda k: True, lambda: 1.0)
+
+
+def test_a_density_whose_float_conversion_runs_python_may_resize_the_arrays():
+    """A density that is not a float is converted by its own ``__float__``, Python code: no
+    buffer is held then either, so it may grow the arrays (a BufferError if one were held)."""
+    state = random_policy_state(random.Random(3), n=8)
+
+    class Growing:
+        def __float__(self):
+            state["classes"].append(0), state["lasts"].append(0)
+            return 0.5
+
+    densities = [[Growing()] * 10 for _ in range(5)]
+    best = hit_density._sampling.least_dense(32, random.Random(0).random, state["leaves"], state["classes"],
+                                             state["lasts"], densities, SMALL, state["now"], bucket_slow,
+                                             lambda k: True)
+    assert best in state["leaves"] and len(state["classes"]) == 8 + 8  # one conversion per draw
