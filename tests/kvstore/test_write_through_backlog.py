@@ -11,6 +11,29 @@ from tests.kvstore.store_helpers import SLOTS4, host_resident, load_all, put_cha
 from tests.kvstore.test_store_lock_io import StuckDisk, in_thread
 
 
+def second_put_waits_for_the_disk(disk: StuckDisk, put_each, count: int) -> None:
+    """Run ``put_each(i)`` for i in range(count) on another thread while ``disk`` is stuck: the
+    first put returns (its copy is queued), the second waits for the disk until it is released.
+    Then every put has returned."""
+    done: list[int] = []
+
+    def serve():
+        for i in range(count):
+            put_each(i)
+            done.append(i)
+
+    putter = in_thread(serve)
+    try:
+        assert disk.started.wait(10), "the first copy never reached the disk"
+        assert until(lambda: len(done) >= 1), "the first put waited for its queued copy"
+        putter.join(0.5)
+        assert putter.is_alive() and done == [0]  # the second copy runs in the putter, which waits
+    finally:
+        disk.release()
+        putter.join(30)
+    assert done == list(range(count))
+
+
 def test_a_stuck_lower_tier_slows_puts_instead_of_costing_the_hot_block_its_host_slot(
         make_store, namespace, spec, monkeypatch):
     store = make_store(**SLOTS4, write_policy="write_through")  # 4 host slots, copies in the background
@@ -21,26 +44,14 @@ def test_a_stuck_lower_tier_slows_puts_instead_of_costing_the_hot_block_its_host
     store.flush()  # the hot block is on disk too, and nothing is pinned
     disk = StuckDisk(store.tiers[1], monkeypatch)
     one_offs = [namespace_hashes(namespace, tokens(1000 * (i + 1), 1)) for i in range(4)]
-    done: list[int] = []
 
-    def serve():
-        for i, chain in enumerate(one_offs):
-            if i == 2:  # the hot block is read after two one-offs: LRU's victims come in the order 0, 1, hot, 2
-                load_all(store, ns_id, spec, hot)
-            put_chain(store, ns_id, spec, chain)
-            done.append(i)
+    def put_one_off(i):
+        if i == 2:  # the hot block is read after two one-offs: LRU's victims come in the order 0, 1, hot, 2
+            load_all(store, ns_id, spec, hot)
+        put_chain(store, ns_id, spec, one_offs[i])
 
-    putter = in_thread(serve)
-    try:
-        assert disk.started.wait(10), "the first copy never reached the disk"
-        assert until(lambda: len(done) >= 1), "the first put waited for its queued copy"
-        putter.join(0.5)
-        # the second copy would pin a second block: it runs in the putter, which waits for the disk
-        assert putter.is_alive() and done == [0]
-    finally:
-        disk.release()
-        putter.join(30)
-    assert done == [0, 1, 2, 3]
+    # the second copy would pin a second block of four: it runs in the putter
+    second_put_waits_for_the_disk(disk, put_one_off, len(one_offs))
     store.flush()
     # room for the fourth one-off came from a one-off whose copy had finished, not from the hot block
     assert host_resident(store, ns_id, hot) == [True]
@@ -75,23 +86,7 @@ def test_a_tier_whose_blocks_are_each_above_the_share_still_queues_one_copy(make
     ns_id = store.register_namespace(namespace)
     disk = StuckDisk(store.tiers[1], monkeypatch)
     chains = [namespace_hashes(namespace, tokens(1000 * i, 1)) for i in range(2)]
-    done: list[int] = []
-
-    def serve():
-        for i, chain in enumerate(chains):
-            put_chain(store, ns_id, spec, chain)
-            done.append(i)
-
-    putter = in_thread(serve)
-    try:
-        assert disk.started.wait(10), "the first copy never reached the disk"
-        assert until(lambda: len(done) >= 1), "the first copy did not go to the background"
-        putter.join(0.5)
-        assert putter.is_alive() and done == [0]  # the second waits for the disk
-    finally:
-        disk.release()
-        putter.join(30)
-    assert done == [0, 1]
+    second_put_waits_for_the_disk(disk, lambda i: put_chain(store, ns_id, spec, chains[i]), len(chains))
     store.flush()
     assert store._copy_backlog == [0, 0]
     assert all(store.tiers[1].contains(ns_id + chain[0]) for chain in chains)  # both copies reached the disk
