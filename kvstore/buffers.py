@@ -20,12 +20,11 @@ def byte_view(buf, writable: bool = False) -> np.ndarray:
     Accepts numpy arrays, CPU torch tensors, and objects with the buffer protocol. The buffer must
     be C-contiguous; with ``writable`` it must also be writable.
     """
-    torch = sys.modules.get("torch")  # if torch was never imported, buf cannot be a tensor
     if isinstance(buf, np.ndarray):  # the commonest, and never a tensor
         if not buf.flags.c_contiguous:
             raise InvalidRequest("buffer array must be C-contiguous")
-        view = buf.reshape(-1).view(np.uint8)
-    elif torch is not None and isinstance(buf, torch.Tensor):
+        view = buf if buf.ndim == 1 and buf.dtype == np.uint8 else buf.reshape(-1).view(np.uint8)
+    elif (torch := sys.modules.get("torch")) is not None and isinstance(buf, torch.Tensor):  # never imported: no tensor
         if buf.device.type != "cpu":
             raise InvalidRequest(f"buffer must live in host memory, got a tensor on {buf.device}")
         if not buf.is_contiguous():

@@ -39,7 +39,9 @@ class LeaseTable:
         return len(self._leases)
 
     def pin(self, keys: Iterable[bytes]) -> None:
-        self._pins.update(keys)
+        pins = self._pins
+        for key in keys:  # not Counter.update: its Python-level checks cost more than a short list
+            pins[key] = pins.get(key, 0) + 1
 
     def unpin(self, keys: Iterable[bytes]) -> None:
         for key in keys:

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import numpy as np
 
 from kvstore.checksum import layer_checksums
-from kvstore.tiers.base import BlockMeta
+from kvstore.tiers.base import BlockMeta, Tier
 from kvstore.validation import closes_loop
 
 log = logging.getLogger(__name__)
@@ -259,9 +259,13 @@ class PlacementMixin:
         evictable = self._evictable(t)
         if tried:
             evictable = lambda k, untried=evictable: k not in tried and untried(k)  # noqa: E731
-        for helping_only in (True, False):
-            victims = self._policies[t].victims(
-                lambda k: evictable(k) and (not helping_only or tier.eviction_helps(k, nbytes)))
+        # A tier with slots of several sizes first offers the victims whose slot would hold this
+        # block; in any other tier every victim helps, and one pass offers every victim there is.
+        passes = [evictable]
+        if type(tier).eviction_helps is not Tier.eviction_helps:
+            passes.insert(0, lambda k: evictable(k) and tier.eviction_helps(k, nbytes))
+        for eligible in passes:
+            victims = self._policies[t].victims(eligible)
             try:
                 for victim in victims:
                     if victim == keep:

@@ -18,13 +18,15 @@ its lock.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Callable
 
 
 class ShadowCopies:
     def __init__(self, num_tiers: int):
-        # per tier: its shadow keys, in the order they became shadows (dicts keep insertion order)
-        self._by_tier: list[dict[bytes, None]] = [{} for _ in range(num_tiers)]
+        # per tier: its shadow keys, in the order they became shadows. OrderedDicts: the oldest go
+        # first, and a dict walked from its front after such removals steps over their dead slots
+        self._by_tier: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(num_tiers)]
 
     def update(self, key: bytes, bits: int) -> None:
         """Record where ``key`` now lives (``bits``: bit t set when tier t holds it, fastest

@@ -45,7 +45,10 @@ def closes_loop(new: set[bytes], parent: bytes, named_as_parent: Callable[[bytes
     a head or past the resident blocks) happens only then: after a block was dropped while its
     children stayed, not on the common path.
     """
-    if not any(named_as_parent(key) for key in new):
+    for key in new:  # a loop, not any() over a generator: this runs for every block stored
+        if named_as_parent(key):
+            break
+    else:
         return False
     key, seen = parent, set()
     while key is not None and key not in seen:

@@ -45,7 +45,7 @@ class ReuseARCPolicy(ChainPolicy):
         super().__init__()
         self._probation: list[tuple[float, int, bytes, int]] = []  # leaves used once; _heap: protected
         self._protected: set[bytes] = set()
-        self._uses: dict[bytes, int] = {}  # insertion-ordered, oldest first
+        self._uses: OrderedDict[bytes, int] = OrderedDict()  # oldest first (see HitDensity's history)
         self._ghosts: OrderedDict[bytes, bool] = OrderedDict()  # evicted key -> was protected
         self._target = 0.0  # ARC's p: target number of probation blocks
         self._ghost_sizes = (0, 0)  # ghosts evicted from probation, from protected
@@ -54,11 +54,12 @@ class ReuseARCPolicy(ChainPolicy):
         return entry.last_access
 
     def _count(self, key: bytes) -> None:
-        n = self._uses.pop(key, 0) + 1
-        self._uses[key] = n  # re-inserted: now the newest
+        uses = self._uses
+        uses[key] = uses.get(key, 0) + 1
+        uses.move_to_end(key)  # now the newest
         limit = self.history_factor * len(self._entries) + 1024
-        while len(self._uses) > limit:
-            del self._uses[next(iter(self._uses))]
+        while len(uses) > limit:
+            uses.popitem(last=False)
 
     def on_insert(self, key: bytes, parent: bytes | None, nbytes: int) -> None:
         was_protected = self._ghosts.pop(key, None)

@@ -126,10 +126,27 @@ def test_schemes_sharing_one_record_evict_exactly_as_each_kind_alone():
     assert compared.count(0) > 1000 and compared.count(1) > 1000
 
 
-def test_the_leaf_set_and_the_age_slices_agree_with_the_history():
+def test_the_history_forgets_the_least_recently_referenced_keys_first():
+    """The history's order is a deque with a place per reference, only the latest counting: it
+    must forget exactly the keys a history kept in order of last reference would, and stay
+    bounded however often keys are referenced again."""
+    policy = HitDensityPolicy()
+    rng = random.Random(5)
+    last_reference = {}
+    for step in range(20_000):
+        key = k(rng.randrange(3000))  # a re-store of a key evicted at once: a reference, no resident block
+        policy.on_insert(key, None, 1)
+        policy.on_remove(key)
+        last_reference[key] = step
+        assert len(policy._order) <= 2 * len(policy._history) + 1025
+    newest = sorted(last_reference, key=last_reference.get)[-1024:]
+    assert len(policy._history) == 1024 and set(policy._history) == set(newest)
+
+
+def test_the_leaf_set_and_the_censored_counts_agree_with_the_history():
     """Two shortcuts read the history without a lookup per key: each leaf's copy of its record
-    (checked after every event), and the censored counts taken one slice of the (ordered)
-    history per age bucket."""
+    (checked after every event), and the censored counts taken at once, in numpy, over every
+    remembered key."""
     policy = HitDensityPolicy()
     keeper = k(10**6)  # a leaf never referenced again and never evicted: the history forgets it
     policy.on_insert(keeper, None, 1)
