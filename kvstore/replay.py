@@ -121,10 +121,6 @@ def _fraction(part: int, maximum: int) -> float:
     return part / maximum if maximum else 1.0
 
 
-def _key(hash_id: int) -> bytes:
-    return hash_id.to_bytes(16, "little")
-
-
 def replay(
     requests: Sequence[TraceRequest],
     capacity_tokens: int,
@@ -188,7 +184,7 @@ def _serve_all(store: TieredStore, ns_id: bytes, spec: BlockSpec, requests: Sequ
     tier_hits = {tier.name: 0 for tier in store.tiers}
     hit_tokens = 0
     for number, request in enumerate(requests, 1):
-        hashes = [_key(h) for h in request.hash_ids]
+        hashes = [h.to_bytes(16, "little") for h in request.hash_ids]  # a trace id as a store block hash
         hit = store.lookup(ns_id, hashes, lease_ttl_s=LEASE_TTL_S)  # as an engine's connector does
         found = hit.hit_blocks
         loaded = store.load(ns_id, hashes[:found], [scratch] * found, lease_id=hit.lease_id) if found else None
