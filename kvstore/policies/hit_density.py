@@ -361,7 +361,7 @@ class HitDensityPolicy(ChainPolicy):
             return
         self._end_run()
         self._reference(key)
-        super().on_access(key)
+        # not the base class's: its recency and heap are LRU's, and a resident leaf is in the leaf set already
 
     def on_remove(self, key: bytes) -> None:
         if key in self._entries:
