@@ -43,6 +43,16 @@ class Directory:
             append(top_name[bits])
         return top
 
+    def by_fastest_tier(self, keys: Sequence[bytes], num_tiers: int) -> list[list[bytes]]:
+        """``keys`` (namespace id + block hash) split by the fastest tier holding each, in
+        order; keys no tier holds are left out."""
+        by_tier: list[list[bytes]] = [[] for _ in range(num_tiers)]
+        for key in keys:
+            bits = self.bits(key)
+            if bits:
+                by_tier[_LOWEST_BIT[bits]].append(key)
+        return by_tier
+
     def add(self, key: bytes, t: int) -> None:
         residency = self._by_namespace.get(key[:DIGEST_BYTES])
         if residency is None:  # not setdefault(..., {}): that builds a dict on every call

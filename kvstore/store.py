@@ -211,7 +211,7 @@ class TieredStore(PlacementMixin, LeaseHolderMixin):
             with self._lock:
                 keys = self._readable_run(keys, lease_id)
                 self._leases.pin(keys)
-                lower = self._by_fastest_tier(keys)
+                lower = self._directory.by_fastest_tier(keys, len(self.tiers))
             served: list[str] = []
             try:
                 for t, tier_keys in enumerate(lower):  # let tiers that can read ahead start now
@@ -237,15 +237,6 @@ class TieredStore(PlacementMixin, LeaseHolderMixin):
                     keys = self._lease_keys(lease_id)
                     self._leases.release(lease_id)
                     self._bury_doomed(keys)
-
-    def _by_fastest_tier(self, keys: list[bytes]) -> list[list[bytes]]:
-        """``keys`` split by the fastest tier holding each, in order (none: left out). Caller holds the lock."""
-        by_tier: list[list[bytes]] = [[] for _ in self.tiers]
-        for key in keys:
-            bits = self._bits(key)
-            if bits:
-                by_tier[(bits & -bits).bit_length() - 1].append(key)
-        return by_tier
 
     def record_access(self, ns_id: bytes, block_hashes: Sequence[bytes], tier: str) -> int:
         """Tell ``tier``'s policy that these resident blocks were read outside ``load`` (the

@@ -33,3 +33,14 @@ def test_both_views_of_residency_agree_through_adds_and_discards():
     for t in range(3):
         assert sorted(directory.keys_in_tier(t)) == sorted(k for k, bits in held.items() if bits >> t & 1)
     assert directory.bits(namespaces[0] + b"\xff" * 16) == 0
+
+
+def test_keys_split_by_the_fastest_tier_holding_them_in_order():
+    directory = Directory(["host", "disk", "remote"])
+    ns = bytes([3]) * DIGEST_BYTES
+    directory.add_namespace(ns)
+    keys = [ns + i.to_bytes(16, "little") for i in range(6)]
+    for key, tiers in zip(keys, [(2,), (1, 2), (), (0, 2), (1,), (0,)]):
+        for t in tiers:
+            directory.add(key, t)
+    assert directory.by_fastest_tier(keys, 3) == [[keys[3], keys[5]], [keys[1], keys[4]], [keys[0]]]
