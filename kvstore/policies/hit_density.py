@@ -41,7 +41,6 @@ import math
 import random
 from array import array
 from collections import deque
-from operator import attrgetter
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
@@ -77,19 +76,6 @@ def _age_bucket_floors(per_octave: int, age_buckets: int) -> tuple[int, ...]:
             low, high = (middle + 1, high) if bucket(middle) < b else (low, middle)
         floors.append(low)
     return tuple(floors)
-
-
-_last_of, _class_of = attrgetter("last"), attrgetter("cls")
-
-
-class _Seen:
-    """What the history remembers of a key. One object per remembered key, updated in place;
-    ``stale``: its places in the history's order that are not its latest reference."""
-
-    __slots__ = ("cls", "last", "uses", "stale")
-
-    def __init__(self, cls: int, last: int, uses: int):
-        self.cls, self.last, self.uses, self.stale = cls, last, uses, 0
 
 
 class _Scheme:
@@ -159,17 +145,25 @@ class HitDensityPolicy(ChainPolicy):
         self._leaf_cls = array("H")
         self._leaf_last = array("q")
         self._now = 0  # the insert clock
-        self._history: dict[bytes, _Seen] = {}
+        self._fine_classes = 2 * (self.run_classes + self._fine_use_classes)  # the history's classes
+        self._forgotten = self._fine_classes  # the class of a leaf the history no longer remembers: density 0
+        # The history: each remembered key's slot in four arrays, so the censored counts are taken
+        # in numpy over the arrays (a walk over one object per key took a microsecond a key). A
+        # free slot (in _free_slots) has class _forgotten, which no count includes.
+        self._history: dict[bytes, int] = {}
+        self._seen_cls = array("H")  # [slot] the key's fine class
+        self._seen_last = array("q")  # [slot] its last reference
+        self._seen_uses = array("q")  # [slot] its references
+        self._seen_stale = array("q")  # [slot] its places in _order that are not its latest reference
+        self._free_slots: list[int] = []
         # The history's order, oldest reference first: every reference appends its key, and only a
-        # key's last place counts (``_Seen.stale`` counts the others). The oldest are forgotten from
+        # key's last place counts (``_seen_stale`` counts the others). The oldest are forgotten from
         # the front of this deque: a dict kept in that order walks over the dead slots its removals
         # leave at its front on every ``next(iter(...))``, tens of microseconds at 100k keys.
         self._order: deque[bytes] = deque()
         self._run: list[bytes] = []  # keys stored by the current insertion run
         self._last_inserted: bytes | None = None
         self._admitting_parent: bytes | None = None  # the parent of the block being stored: never its victim
-        self._fine_classes = 2 * (self.run_classes + self._fine_use_classes)  # the history's classes
-        self._forgotten = self._fine_classes  # the class of a leaf the history no longer remembers: density 0
         self._schemes = [_Scheme(kind, self._fine_classes, seed) for kind in kinds]
         self._widths = [2 ** ((b + 1) / self.per_octave) - 2 ** (b / self.per_octave) for b in range(self.age_buckets)]
         self._bucket_of_small_age = _small_age_buckets(self.per_octave, self.age_buckets)
@@ -206,9 +200,9 @@ class HitDensityPolicy(ChainPolicy):
         if not self._entries[key].children and key not in self._leaf_at:
             self._leaf_at[key] = len(self._leaves)
             self._leaves.append(key)
-            seen = self._history.get(key)
-            self._leaf_cls.append(self._forgotten if seen is None else seen.cls)
-            self._leaf_last.append(0 if seen is None else seen.last)
+            slot = self._history.get(key)
+            self._leaf_cls.append(self._forgotten if slot is None else self._seen_cls[slot])
+            self._leaf_last.append(0 if slot is None else self._seen_last[slot])
 
     def _drop_leaf(self, key: bytes) -> None:
         at = self._leaf_at.pop(key, None)
@@ -219,32 +213,44 @@ class HitDensityPolicy(ChainPolicy):
             self._leaves[at], self._leaf_cls[at], self._leaf_last[at] = last, cls, last_reference
             self._leaf_at[last] = at
 
-    def _note_leaf(self, key: bytes, seen: _Seen | None) -> None:
-        """Copy ``key``'s history (None: forgotten) beside it in the leaf set, if it is a leaf."""
+    def _note_leaf(self, key: bytes, slot: int | None) -> None:
+        """Copy ``key``'s history (its slot; None: forgotten) beside it in the leaf set, if it is a leaf."""
         at = self._leaf_at.get(key)
         if at is not None:
-            self._leaf_cls[at] = self._forgotten if seen is None else seen.cls
-            self._leaf_last[at] = 0 if seen is None else seen.last
+            self._leaf_cls[at] = self._forgotten if slot is None else self._seen_cls[slot]
+            self._leaf_last[at] = 0 if slot is None else self._seen_last[slot]
 
     # ---- statistics --------------------------------------------------------------------------
 
     def _reference(self, key: bytes) -> None:
         """A hit on ``key`` or a store of it: a reuse at its age if the history remembers it."""
-        history, by_uses = self._history, self._class_by_uses
-        seen = history.get(key)
-        if seen is None:
-            seen = history[key] = _Seen(by_uses[1], self._now, 1)
+        history, now, classes, lasts = self._history, self._now, self._seen_cls, self._seen_last
+        slot = history.get(key)
+        if slot is None:
+            cls = self._class_by_uses[1]
+            if self._free_slots:
+                slot = history[key] = self._free_slots.pop()
+                classes[slot], lasts[slot], self._seen_uses[slot], self._seen_stale[slot] = cls, now, 1, 0
+            else:
+                history[key] = len(classes)
+                classes.append(cls)
+                lasts.append(now)
+                self._seen_uses.append(1)
+                self._seen_stale.append(0)
         else:
-            bucket = self._bucket(self._now - seen.last)
+            bucket = self._bucket(now - lasts[slot])
+            cls = classes[slot]
             for scheme in self._schemes:
-                scheme.reused[scheme.fold[seen.cls]][bucket] += 1
-            seen.uses += 1
-            seen.cls, seen.last = by_uses[min(seen.uses, len(by_uses) - 1)], self._now
-            seen.stale += 1  # its earlier place in the order
+                scheme.reused[scheme.fold[cls]][bucket] += 1
+            uses = self._seen_uses[slot] = self._seen_uses[slot] + 1
+            by_uses = self._class_by_uses
+            cls = classes[slot] = by_uses[min(uses, len(by_uses) - 1)]
+            lasts[slot] = now
+            self._seen_stale[slot] += 1  # its earlier place in the order
         self._order.append(key)
         at = self._leaf_at.get(key)  # _note_leaf, inlined: every reference comes here
         if at is not None:
-            self._leaf_cls[at], self._leaf_last[at] = seen.cls, seen.last
+            self._leaf_cls[at], self._leaf_last[at] = cls, now
         if len(history) > self.history_factor * len(self._entries) + 1024:
             self._forget_oldest()
         elif len(self._order) > 2 * len(history) + 1024:
@@ -253,26 +259,29 @@ class HitDensityPolicy(ChainPolicy):
     def _forget_oldest(self) -> None:
         """Forget the keys referenced least recently until the history is back to its bound:
         each ends without reuse at its age."""
-        history, order = self._history, self._order
+        history, order, stale = self._history, self._order, self._seen_stale
         while len(history) > self.history_factor * len(self._entries) + 1024:
             key = order.popleft()
-            seen = history[key]
-            if seen.stale:  # referenced again since: its latest place is further on
-                seen.stale -= 1
+            slot = history[key]
+            if stale[slot]:  # referenced again since: its latest place is further on
+                stale[slot] -= 1
                 continue
             del history[key]
-            bucket = self._bucket(self._now - seen.last)
+            bucket, cls = self._bucket(self._now - self._seen_last[slot]), self._seen_cls[slot]
             for scheme in self._schemes:
-                scheme.ended[scheme.fold[seen.cls]][bucket] += 1
+                scheme.ended[scheme.fold[cls]][bucket] += 1
+            self._seen_cls[slot] = self._forgotten
+            self._free_slots.append(slot)
             self._note_leaf(key, None)
 
     def _compact_order(self) -> None:
         """Keep only each key's latest place in the history's order (O(order), every so often)."""
         latest: deque[bytes] = deque()
+        history, stale = self._history, self._seen_stale
         for key in self._order:
-            seen = self._history[key]
-            if seen.stale:
-                seen.stale -= 1
+            slot = history[key]
+            if stale[slot]:
+                stale[slot] -= 1
             else:
                 latest.append(key)
         self._order = latest
@@ -282,11 +291,11 @@ class HitDensityPolicy(ChainPolicy):
         run, tail = self._run, self._last_inserted
         self._run, self._last_inserted = [], None
         for key in run:
-            seen = self._history.get(key)
-            if seen is not None and seen.uses == 1:
+            slot = self._history.get(key)
+            if slot is not None and self._seen_uses[slot] == 1:
                 entry = self._entries.get(key)
-                seen.cls = self._class(1, key == tail and entry is not None and not entry.children, len(run))
-                self._note_leaf(key, seen)
+                self._seen_cls[slot] = self._class(1, key == tail and entry is not None and not entry.children, len(run))
+                self._note_leaf(key, slot)
 
     def _reconfigure(self) -> None:
         """Densities per class and age bucket from reuses, endings and keys still waiting."""
@@ -321,18 +330,24 @@ class HitDensityPolicy(ChainPolicy):
     def _waiting(self) -> list[list[float]]:
         """Keys the history remembers, not referenced again yet (censored), per fine class and
         age bucket: a key's bucket is the last whose floor its age reaches."""
-        seen = list(self._history.values())
-        lasts = np.fromiter(map(_last_of, seen), np.int64, len(seen))  # [remembered]
-        classes = np.fromiter(map(_class_of, seen), np.int64, len(seen))  # [remembered]
-        buckets = np.searchsorted(self._age_bucket_floors, self._now - lasts, side="right") - 1  # [remembered]
-        counts = np.bincount(classes * self.age_buckets + buckets, minlength=self._fine_classes * self.age_buckets)
-        return counts.reshape(self._fine_classes, self.age_buckets).astype(float).tolist()
+        lasts = np.frombuffer(self._seen_last, np.int64)  # [slots]
+        classes = np.frombuffer(self._seen_cls, np.uint16).astype(np.int64)  # [slots]; free: _forgotten
+        buckets = np.searchsorted(self._age_bucket_floors, self._now - lasts, side="right") - 1  # [slots]
+        counts = np.bincount(classes * self.age_buckets + buckets, minlength=(self._fine_classes + 1) * self.age_buckets)
+        remembered = counts[:self._fine_classes * self.age_buckets]  # the free slots' row left out
+        return remembered.reshape(self._fine_classes, self.age_buckets).astype(float).tolist()
+
+    def remembered(self, key: bytes) -> tuple[int, int] | None:
+        """``key``'s fine class and last reference if the history remembers it, else None."""
+        slot = self._history.get(key)
+        return None if slot is None else (self._seen_cls[slot], self._seen_last[slot])
 
     def _density_of(self, scheme: _Scheme, key: bytes) -> float:
-        seen = self._history.get(key)
+        seen = self.remembered(key)
         if seen is None:  # forgotten (a tiny tier only): as little worth as anything
             return 0.0
-        return scheme.density_of_fine_class[seen.cls][self._bucket(self._now - seen.last)]
+        cls, last = seen
+        return scheme.density_of_fine_class[cls][self._bucket(self._now - last)]
 
     # ---- the policy interface ----------------------------------------------------------------
 

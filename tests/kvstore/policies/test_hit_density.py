@@ -155,21 +155,22 @@ def test_the_leaf_set_and_the_censored_counts_agree_with_the_history():
     def leaf_copies_match() -> None:
         assert sorted(policy._leaf_at) == sorted(key for key, e in policy._entries.items() if not e.children)
         for at, key in enumerate(policy._leaves):
-            seen = policy._history.get(key)
+            seen = policy.remembered(key)
             if seen is None:
                 assert policy._leaf_cls[at] == policy._forgotten
                 forgotten.add(key)
             else:
-                assert (policy._leaf_cls[at], policy._leaf_last[at]) == (seen.cls, seen.last)
+                assert (policy._leaf_cls[at], policy._leaf_last[at]) == seen
 
     drive([policy], steps=2500, capacity=40, seed=11, check=leaf_copies_match,
           on_evict=lambda policies: next(policies[0].victims(lambda key: key != keeper)))
     expected = [[0.0] * policy.age_buckets for _ in range(policy._fine_classes)]
-    for seen in policy._history.values():
-        expected[seen.cls][policy._bucket(policy._now - seen.last)] += 1
+    for cls, last in map(policy.remembered, policy._history):
+        expected[cls][policy._bucket(policy._now - last)] += 1
     assert policy._waiting() == expected
     assert keeper in forgotten and policy._density_of(policy._schemes[0], keeper) == 0.0
     assert sum(map(sum, expected)) == len(policy._history) > 1024
+    assert policy._free_slots  # forgotten keys left free slots behind, and the counts left them out
 
 
 def test_only_hit_density_kinds_that_differ_in_use_classes_can_share_a_record():
