@@ -141,6 +141,7 @@ def test_the_history_forgets_the_least_recently_referenced_keys_first():
         assert len(policy._order) <= 2 * len(policy._history) + 1025
     newest = sorted(last_reference, key=last_reference.get)[-1024:]
     assert len(policy._history) == 1024 and set(policy._history) == set(newest)
+    assert len(policy._seen_last) <= 1025  # a forgotten key's slot is reused: 3,000 keys, never 3,000 slots
 
 
 def test_the_leaf_set_and_the_censored_counts_agree_with_the_history():
