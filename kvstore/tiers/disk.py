@@ -60,8 +60,8 @@ from kvstore.tiers.direct_io import (
     pwritev_all, read_direct, read_record_direct, write_record_direct,
 )
 from kvstore.tiers.disk_files import (
-    BLOCK_KEY_PREFIX, TAIL_KEY, TAIL_VALUE, DirectoryLock, IndexEntry, SegmentFile, fsync_directory, open_index,
-    segment_name, supports_direct, truncate_quietly,
+    BLOCK_KEY_PREFIX, NEXT_SEQ_KEY, NEXT_SEQ_VALUE, TAIL_KEY, TAIL_VALUE, DirectoryLock, IndexEntry, SegmentFile,
+    fsync_directory, open_index, segment_name, supports_direct, truncate_quietly,
 )
 from kvstore.tiers.disk_reclaim import DiskReclaim
 from kvstore.tiers.disk_recovery import DiskRecovery
@@ -218,7 +218,8 @@ class DiskTier(DiskRecovery, DiskReclaim, Tier):
                 header = RecordHeader(key, meta.nbytes, meta.num_layers, self._seq, meta.parent, meta.checksums)
                 self._write_record(segment, offset, header.encode(), payload, size)
                 self._commit_and_punch({BLOCK_KEY_PREFIX + key: entry.encode(),
-                                        TAIL_KEY: TAIL_VALUE.pack(segment.id, offset + size)})
+                                        TAIL_KEY: TAIL_VALUE.pack(segment.id, offset + size),
+                                        NEXT_SEQ_KEY: NEXT_SEQ_VALUE.pack(self._seq + 1)})
             except Exception as exc:  # OSError from the segment, rocksdict raises plain Exception
                 self._count("io_errors", 1)
                 log.error("disk tier %s: write failed (%s); block not stored", self.path, exc)

@@ -29,10 +29,14 @@ log = logging.getLogger(__name__)
 
 _ENTRY = struct.Struct("<IQQIQ32sB")  # segment, offset, nbytes, num_layers, seq, parent, has_parent
 
-# the index's keys: BLOCK_KEY_PREFIX + block key -> IndexEntry; TAIL_KEY -> the committed tail
+# the index's keys: BLOCK_KEY_PREFIX + block key -> IndexEntry; TAIL_KEY -> the committed tail;
+# NEXT_SEQ_KEY -> the sequence number the next record takes (missing in indexes written before
+# it existed: then the live entries' highest, plus one)
 BLOCK_KEY_PREFIX = b"b"
 TAIL_KEY = b"m/tail"
 TAIL_VALUE = struct.Struct("<IQ")  # segment id, offset
+NEXT_SEQ_KEY = b"m/next-seq"
+NEXT_SEQ_VALUE = struct.Struct("<Q")
 FORMAT_KEY = b"m/format"
 FORMAT_VERSION = b"kvstore-disk-1"
 

@@ -14,6 +14,10 @@ a block with the right bytes, back from eviction. ``remove`` is ``discard`` then
 On a file system that cannot punch holes (``_probe_punching`` at open) a discarded record's
 bytes count as dead until its whole segment goes; a segment left with nothing live stops
 counting at once (it is deleted at the next reclaim), as before the split into books and I/O.
+Its header page is overwritten with zeros instead (``_invalidate``), so an index rebuild finds
+no removed block (a deleted namespace's, say) to bring back. A process killed between the index
+delete and that write leaves the record whole; a rebuild may then bring the block back with its
+own bytes, and never in place of a newer record of the same key (sequence numbers only grow).
 
 ``DiskReclaim`` is part of ``DiskTier`` (kept apart to keep each file to one concern). It expects
 the host class to provide ``path``, ``_lock``, ``_books``, ``_index``, ``_segments``, ``_active``,
@@ -26,10 +30,15 @@ from __future__ import annotations
 import logging
 import os
 
+from kvstore.buffers import aligned_empty
+from kvstore.tiers.direct_io import ALIGN, pwritev_all
 from kvstore.tiers.disk_files import SegmentFile
-from kvstore.tiers.segment import footprint, punch_hole
+from kvstore.tiers.segment import HEADER_BYTES, footprint, punch_hole
 
 log = logging.getLogger("kvstore.tiers.disk")
+
+_ZERO_HEADER = aligned_empty(HEADER_BYTES, ALIGN)  # [HEADER_BYTES] uint8, page-aligned for O_DIRECT
+_ZERO_HEADER[:] = 0
 
 
 class DiskReclaim:
@@ -97,8 +106,8 @@ class DiskReclaim:
 
     def _punch(self, holes: list[tuple[int, int, int]]) -> None:
         """Give discarded records' bytes back: delete a segment with nothing live left (but the
-        active one), punch a hole elsewhere (a hole of size 0 was counted dead at discard).
-        Caller holds ``_lock``."""
+        active one), punch a hole elsewhere (a hole of size 0 was counted dead at discard, where
+        no hole can be punched); a record not punched out is invalidated. Caller holds ``_lock``."""
         for segment_id, offset, size in holes:
             segment = self._segments.get(segment_id)
             if segment is None:  # deleted with an earlier hole of this batch
@@ -107,17 +116,28 @@ class DiskReclaim:
                 if segment.live_bytes == 0 and segment is not self._active:
                     self._delete_segment(segment)
                     continue
-                if not size:  # counted as dead at discard (no hole punching here)
-                    continue
-                punched = punch_hole(segment.fd, offset, size)
+                punched = bool(size) and punch_hole(segment.fd, offset, size)
             except OSError as exc:
                 self._count("io_errors", 1)
                 log.error("disk tier %s: freeing a removed record failed (%s); its bytes keep counting", self.path, exc)
                 punched = False
             if not punched:
+                self._invalidate(segment, offset)
+            if size and not punched:
                 with self._books:  # unless a discard meanwhile left it nothing live: it goes whole
                     if segment.live_bytes or segment is self._active:
                         segment.dead_bytes += size
+
+    def _invalidate(self, segment: SegmentFile, offset: int) -> None:
+        """Overwrite the header page of the removed record at ``offset`` with zeros, so no index
+        rebuild takes it for a block (its index entry is deleted already). Not synced: a crash
+        may undo it, as it may undo the delete (see the module docstring). Caller holds ``_lock``."""
+        try:
+            pwritev_all(segment.fd, [_ZERO_HEADER], offset)
+        except OSError as exc:
+            self._count("io_errors", 1)
+            log.error("disk tier %s: invalidating a removed record failed (%s); an index rebuild may find "
+                      "it again", self.path, exc)
 
     def _delete_segment(self, segment: SegmentFile) -> None:
         with self._books:

@@ -20,8 +20,8 @@ import resource
 from rocksdict import WriteBatch
 
 from kvstore.tiers.disk_files import (
-    BLOCK_KEY_PREFIX, FORMAT_KEY, FORMAT_VERSION, TAIL_KEY, TAIL_VALUE, IndexEntry, SegmentFile, newest_records,
-    open_index, segment_name,
+    BLOCK_KEY_PREFIX, FORMAT_KEY, FORMAT_VERSION, NEXT_SEQ_KEY, NEXT_SEQ_VALUE, TAIL_KEY, TAIL_VALUE, IndexEntry,
+    SegmentFile, newest_records, open_index, segment_name,
 )
 from kvstore.tiers.segment import footprint, punch_hole
 
@@ -49,6 +49,10 @@ class DiskRecovery:
         sizes = {i: os.path.getsize(os.path.join(self._segments_dir, segment_name(i))) for i in on_disk}
         tail = self._db.get(TAIL_KEY)
         tail_segment, tail_offset = TAIL_VALUE.unpack(tail) if tail else (0, 0)
+        # Sequence numbers never go back, even past removed blocks: where a removed record's bytes
+        # stay (no hole punching), a rebuild must still prefer a newer record of the same key.
+        next_seq = self._db.get(NEXT_SEQ_KEY)
+        self._seq = NEXT_SEQ_VALUE.unpack(next_seq)[0] if next_seq else 0
         lost = WriteBatch(raw_mode=True)
         for raw_key, raw_value in self._db.items(from_key=BLOCK_KEY_PREFIX):
             if not raw_key.startswith(BLOCK_KEY_PREFIX):

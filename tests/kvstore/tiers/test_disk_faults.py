@@ -9,6 +9,7 @@ import shutil
 import numpy as np
 import pytest
 
+from kvstore.tiers import disk_reclaim, disk_recovery
 from kvstore.tiers.segment import HEADER_BYTES
 
 from tests.kvstore.tiers.disk_helpers import (
@@ -276,7 +277,18 @@ def test_corrupted_index_is_rebuilt_without_crashing(open_tier, tmp_path, damage
     assert all(reads_exact(tier, i) for i in range(10))
 
 
-def test_removed_and_superseded_records_are_not_resurrected_by_a_rebuild(open_tier, tmp_path):
+def without_hole_punching(monkeypatch) -> None:
+    """A file system that cannot punch holes (NFSv3, some FUSE): the probe at open finds none."""
+    monkeypatch.setattr(disk_reclaim, "punch_hole", lambda fd, offset, length: False)
+    monkeypatch.setattr(disk_recovery, "punch_hole", lambda fd, offset, length: False)
+
+
+@pytest.mark.parametrize("punching", [True, False])
+def test_removed_and_superseded_records_are_not_resurrected_by_a_rebuild(open_tier, tmp_path, monkeypatch, punching):
+    """A removed record is punched out, or, where no hole can be punched, its header is zeroed:
+    either way a rebuild of a lost index finds neither a removed block nor an older record."""
+    if not punching:
+        without_hole_punching(monkeypatch)
     tier = open_tier(segment_bytes=4 * FP)
     for i in range(8):
         assert put(tier, i)
@@ -297,6 +309,32 @@ def test_removed_and_superseded_records_are_not_resurrected_by_a_rebuild(open_ti
     assert all(reads_exact(tier, i) for i in (0, 1, 3, 4, 6))
     tier.check_integrity()
     assert tier.stats().checksum_failures == 0
+
+
+def test_sequence_numbers_never_go_back_so_a_rebuild_prefers_the_newer_record(open_tier, tmp_path, monkeypatch):
+    """The newest record of a key wins a rebuild by its sequence number. A reopen must not hand
+    out numbers again that removed records took: where such a record's bytes stay whole (no hole
+    punching, and the process killed before its header was zeroed), a key stored again after the
+    reopen would otherwise lose to its removed, older record."""
+    without_hole_punching(monkeypatch)
+    monkeypatch.setattr(disk_reclaim.DiskReclaim, "_invalidate", lambda self, segment, offset: None)  # killed first
+    tier = open_tier(segment_bytes=8 * FP)
+    for i in range(3):
+        assert put(tier, i)
+    removed = [tier._index[key_of(i)].seq for i in (1, 2)]
+    assert tier.remove(key_of(1)) and tier.remove(key_of(2))  # the newest records: the highest numbers
+    tier.close()
+    tier = open_tier(segment_bytes=8 * FP)
+    newer = payload_of(1001)
+    assert tier.write(key_of(1), newer, meta_of(newer))  # key 1 again, other bytes
+    assert tier._index[key_of(1)].seq > max(removed)
+    tier.close()
+    shutil.rmtree(tmp_path / "disk" / "index")
+    tier = open_tier(segment_bytes=8 * FP)
+    assert tier.stats().extra["index_rebuilds"] == 1
+    dst = np.zeros(NBYTES, np.uint8)
+    assert tier.read(key_of(1), dst) and np.array_equal(dst, newer)
+    assert reads_exact(tier, 0)
 
 
 def test_index_write_failure_is_an_io_error_not_a_crash(open_tier):
