@@ -180,7 +180,9 @@ class DiskTier(DiskRecovery, DiskReclaim, Tier):
         if entry is None:
             return None
         header = self._read_header(entry)
-        return None if header is None else BlockMeta(entry.nbytes, entry.num_layers, header.checksums, entry.parent)
+        if header is None or header.key != key:  # overwritten or zeroed under its entry: no record of it
+            return None
+        return BlockMeta(entry.nbytes, entry.num_layers, header.checksums, entry.parent)
 
     def parent_of(self, key: bytes) -> bytes | None:
         entry = self._index.get(key)  # the index keeps the parent: no header read
