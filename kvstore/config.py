@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, TypeVar
 
 from kvstore.errors import InvalidRequest
+from kvstore.lease import MAX_LEASED_BLOCKS
 from kvstore.policies import DEFAULT_POLICY, POLICIES
 from kvstore.store import WRITE_POLICIES, TieredStore
 from kvstore.tiers.disk import DiskTier
@@ -110,6 +111,7 @@ class StoreConfig:
     write_policy: str = "write_through"
     promote_on_hit: bool = True
     max_leases: int = 65536
+    max_leased_blocks: int = MAX_LEASED_BLOCKS
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -162,7 +164,8 @@ class StoreConfig:
                     tier.close()
                 raise
         return TieredStore(tiers, policy=self.policy, write_policy=self.write_policy,
-                           promote_on_hit=self.promote_on_hit, max_leases=self.max_leases)
+                           promote_on_hit=self.promote_on_hit, max_leases=self.max_leases,
+                           max_leased_blocks=self.max_leased_blocks)
 
 
 def parse_bool(text: str) -> bool:

@@ -22,12 +22,23 @@ class Lease:
     expires_at: float
 
 
+MAX_LEASED_BLOCKS = 1 << 22  # 4,194,304 keys: 310 to 450 MiB at the cap (77 to 113 bytes a leased key, measured)
+
+
 class LeaseTable:
     """Pin counts per key plus the leases that hold some of them. Not thread-safe on its own:
-    the store calls it under its lock."""
+    the store calls it under its lock.
 
-    def __init__(self, max_leases: int = 65536, clock: Callable[[], float] = time.monotonic):
+    Leases are bounded in number (``max_leases``) and in the blocks they hold all together
+    (``max_leased_blocks``): a lease keeps its keys for up to its TTL, and one lookup may lease
+    thousands of blocks (the same one repeated, even), so a count of leases alone would let
+    their keys take the process's memory."""
+
+    def __init__(self, max_leases: int = 65536, clock: Callable[[], float] = time.monotonic,
+                 max_leased_blocks: int = MAX_LEASED_BLOCKS):
         self.max_leases = max_leases
+        self.max_leased_blocks = max_leased_blocks
+        self._leased_blocks = 0  # keys held by leases, a key counted once per lease holding it
         self._clock = clock
         self._pins: Counter[bytes] = Counter()
         self._leases: dict[int, Lease] = {}
@@ -37,6 +48,11 @@ class LeaseTable:
 
     def __len__(self) -> int:
         return len(self._leases)
+
+    @property
+    def leased_blocks(self) -> int:
+        """Keys held by live leases, one count per lease holding a key."""
+        return self._leased_blocks
 
     def pin(self, keys: Iterable[bytes]) -> None:
         pins = self._pins
@@ -56,11 +72,14 @@ class LeaseTable:
         return key in self._pins
 
     def grant(self, keys: Iterable[bytes], ttl_s: float) -> Lease | None:
-        """Pin ``keys`` under a new lease; None when ``max_leases`` are already held."""
+        """Pin ``keys`` under a new lease; None when ``max_leases`` are already held, or when the
+        lease would take the blocks leases hold past ``max_leased_blocks``."""
         self.expire()
-        if len(self._leases) >= self.max_leases:
+        keys = tuple(keys)
+        if len(self._leases) >= self.max_leases or self._leased_blocks + len(keys) > self.max_leased_blocks:
             return None
-        lease = Lease(next(self._ids), tuple(keys), self._clock() + ttl_s)
+        lease = Lease(next(self._ids), keys, self._clock() + ttl_s)
+        self._leased_blocks += len(keys)
         self._leases[lease.id] = lease
         heapq.heappush(self._deadlines, (lease.expires_at, lease.id))
         if len(self._deadlines) > 2 * len(self._leases) + 1024:  # released leases leave stale items
@@ -74,6 +93,7 @@ class LeaseTable:
         lease = self._leases.pop(lease_id, None)
         if lease is None:
             return False
+        self._leased_blocks -= len(lease.keys)
         self.unpin(lease.keys)
         return True
 

@@ -19,7 +19,7 @@ class LookupResult:
     block_size: int
     tiers: tuple[str, ...]
     lease_id: int | None = None
-    lease_refused: bool = False  # a lease was asked for but the lease limit was reached
+    lease_refused: bool = False  # a lease was asked for but a lease limit (leases, or blocks leased) was reached
     busy: bool = False  # not looked up: the store's lock stayed held past the caller's ``wait_s``
 
     @property

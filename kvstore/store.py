@@ -42,7 +42,7 @@ from kvstore.checksum import checksums_ahead
 from kvstore.errors import InvalidRequest, StoreClosed, UnknownNamespace
 from kvstore.keys import Namespace
 from kvstore.layout import BlockSpec
-from kvstore.lease import LeaseTable
+from kvstore.lease import MAX_LEASED_BLOCKS, LeaseTable
 from kvstore.lease_holders import LeaseHolderMixin
 from kvstore.policies import DEFAULT_POLICY, EvictionPolicy, make_policy
 from kvstore.reclaimer import Reclaimer
@@ -65,6 +65,7 @@ class TieredStore(PlacementMixin, LeaseHolderMixin):
         write_policy: str = "write_through",
         promote_on_hit: bool = True,
         max_leases: int = 65536,
+        max_leased_blocks: int = MAX_LEASED_BLOCKS,
         background_writes: bool = True,
         clock: Callable[[], float] = time.monotonic,
     ):
@@ -93,7 +94,7 @@ class TieredStore(PlacementMixin, LeaseHolderMixin):
         self._doomed: set[bytes] = set()  # deleted while pinned: removed at the last unpin
         # lower copies of blocks a faster tier also holds, evicted first (on_eviction, two tiers or more)
         self._shadows = ShadowCopies(len(self.tiers)) if write_policy == "on_eviction" and len(self.tiers) > 1 else None
-        self._leases = LeaseTable(max_leases, clock)
+        self._leases = LeaseTable(max_leases, clock, max_leased_blocks)
         self._lock = threading.RLock()
         self._counters: Counter[str] = Counter()
         self._busy_lock = threading.Lock()  # guards the one counter bumped without ``_lock``

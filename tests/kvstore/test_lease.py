@@ -119,3 +119,22 @@ def test_default_clock_is_monotonic_time():
     lease = table.grant([A], ttl_s=60.0)
     assert table.expire() == 0 and table.is_pinned(A)
     assert table.release(lease.id)
+
+
+def test_leases_are_bounded_by_the_blocks_they_hold(clock):
+    """A lease holds its keys until it ends: the blocks all leases hold are capped, a key counted
+    once per lease (a lookup repeating one hash costs what it names), and an ended lease, released
+    or expired, gives its count back."""
+    table = LeaseTable(max_leases=100, clock=clock, max_leased_blocks=10)
+    first = table.grant([A] * 6, ttl_s=10.0)
+    assert first is not None and table.leased_blocks == 6
+    assert table.grant([B] * 5, ttl_s=10.0) is None and table.leased_blocks == 6
+    assert not table.is_pinned(B)  # a refused lease pins nothing
+    second = table.grant([B, C, C, C], ttl_s=20.0)
+    assert second is not None and table.leased_blocks == 10
+    assert table.release(first.id) and table.leased_blocks == 4
+    assert table.grant([A] * 6, ttl_s=10.0) is not None and table.leased_blocks == 10
+    clock.now += 15
+    assert table.expire() == 1 and table.leased_blocks == 4
+    clock.now += 10
+    assert table.expire() == 1 and table.leased_blocks == 0 and not table.pinned_keys()

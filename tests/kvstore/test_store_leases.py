@@ -162,6 +162,24 @@ def test_max_leases_refuses_further_leases(make_store, namespace, spec, chain):
     assert fourth.lease_id is not None and not fourth.lease_refused
 
 
+
+def test_max_leased_blocks_refuses_a_lease_past_the_blocks_leases_hold(make_store, namespace, spec, chain):
+    """The hit is still answered; only its lease is refused. A lookup repeating one hash leases
+    that block once per repeat, so it cannot hold more keys than the cap by repeating."""
+    store = make_store(background_writes=False, max_leased_blocks=4)
+    ns_id = store.register_namespace(namespace)
+    put_chain(store, ns_id, spec, chain[:3])
+    first = store.lookup(ns_id, chain, lease_ttl_s=60)
+    assert first.lease_id is not None and first.hit_blocks == 3
+    second = store.lookup(ns_id, chain, lease_ttl_s=60)
+    assert second.lease_id is None and second.lease_refused and second.hit_blocks == 3
+    assert store.lookup(ns_id, chain[:1], lease_ttl_s=60).lease_id is not None  # 4 blocks leased: the cap
+    store.release(first.lease_id)
+    repeated = store.lookup(ns_id, chain[:1] * 4, lease_ttl_s=60)
+    assert repeated.lease_id is None and repeated.lease_refused
+    assert store.lookup(ns_id, chain[:1] * 3, lease_ttl_s=60).lease_id is not None
+
+
 # ---- namespaces ----------------------------------------------------------------------------
 
 
