@@ -8,7 +8,8 @@ scores every visible cached token and keeps the ``index_topk`` best:
     weight w[t,h]  = weights_proj(x_t) / sqrt(H)                      (float32)         [T, H]
     score  I[t,s]  = sum_h w[t,h] * relu(q[t,h] . k[s] / sqrt(D))                        [T, S]
 
-then the top ``index_topk`` visible tokens by I (all of them when fewer are visible). ``key`` and
+then the top ``index_topk`` visible tokens by I (all of them when fewer are visible; of tied scores
+the earliest positions, so a suffix over a cached prefix keeps what a cold run keeps). ``key`` and
 ``queries`` are projections and run over a whole batch; ``select`` runs per sequence, against that
 sequence's cached keys.
 
@@ -77,7 +78,12 @@ class Indexer(nn.Module):
     ) -> torch.Tensor:
         """-> [T, S] bool: True where the query keeps the token (always a subset of ``visible``)."""
         scores = self._scores(queries, keys).masked_fill(~visible, float("-inf"))  # [T, S]
-        top = scores.topk(min(self.topk, keys.shape[0]), dim=-1).indices  # [T, k]
+        # A stable sort, not topk: a token every head's ReLU zeroes scores exactly 0.0, and where
+        # fewer than topk tokens score above it such ties fill the last places. topk breaks ties
+        # by the row's width, so a suffix computed over a cached prefix (S = prefix length) would
+        # keep other tokens than a cold run (S = whole prompt) and change the outputs. The stable
+        # sort keeps the earliest positions, whatever S; the masked columns sort last.
+        top = scores.sort(dim=-1, descending=True, stable=True).indices[:, : min(self.topk, keys.shape[0])]  # [T, k]
         picked = torch.zeros_like(visible).scatter(-1, top, True)  # [T, S]
         return picked & visible
 
