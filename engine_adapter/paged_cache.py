@@ -27,7 +27,8 @@ from engine_adapter.cache import CachedLayer, SequenceCache
 from engine_adapter.config import ModelConfig
 from engine_adapter.page_allocator import EvictHook, PageAllocator
 
-MLA_WIDTH = 576  # 512 latent + 64 rope key, bf16
+MLA_LATENT, MLA_ROPE = 512, 64  # the mla_bf16 format: this latent, then this rope key, per token
+MLA_WIDTH = MLA_LATENT + MLA_ROPE  # 576 bf16
 MLA_BYTES_PER_TOKEN = 2 * MLA_WIDTH  # 1152, the mla_bf16 format
 INDEXER_WIDTH = 128
 INDEXER_BYTES_PER_TOKEN = 2 * INDEXER_WIDTH  # 256, the indexer_bf16 format
@@ -41,7 +42,7 @@ class PagePool(PageAllocator):
         super().__init__(num_pages, on_evict)
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
-        if config.kv_lora_rank + config.qk_rope_head_dim != MLA_WIDTH:
+        if (config.kv_lora_rank, config.qk_rope_head_dim) != (MLA_LATENT, MLA_ROPE):  # the same sum is not the format
             raise ValueError(f"the mla_bf16 format holds 512 + 64 values per token, the model caches "
                              f"{config.kv_lora_rank} + {config.qk_rope_head_dim}")
         if config.is_v32 and config.index_head_dim != INDEXER_WIDTH:

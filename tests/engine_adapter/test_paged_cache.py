@@ -34,6 +34,14 @@ def test_layer_bytes_match_the_store_layout(config):
     assert pool.layer_page_bytes(2, 3).data_ptr() == pool.storage[2][3].data_ptr()
 
 
+@pytest.mark.parametrize("split", [(448, 128), (320, 256), (256, 64)])
+def test_a_model_caching_another_latent_and_rope_split_is_refused(split):
+    """mla_bf16 is 512 latent values then 64 rope values: another split of the same 576 values
+    would be read wrongly by every other reader of the format."""
+    with pytest.raises(ValueError, match="512 \\+ 64"):
+        PagePool(ModelConfig.from_hf(dict(TINY_V3, kv_lora_rank=split[0], qk_rope_head_dim=split[1])), 5, page_size=P)
+
+
 @pytest.mark.parametrize("config", [V3, V32], ids=["v3", "v32"])
 def test_a_page_is_one_layer_of_a_block_payload_byte_for_byte(config):
     """Pages [3, 1] hold positions [0, 4) and [4, 8): each is the store's component pages, in order."""
