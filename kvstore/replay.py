@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 from decimal import Decimal
+from fractions import Fraction
 from typing import Callable, Sequence
 
 import numpy as np
@@ -40,7 +41,7 @@ from kvstore.trace import TraceRequest
 _COMPONENTS = ("indexer_fp8",)
 _BLOCK_SIZE = 1
 LEASE_TTL_S = 3600.0  # a replayed request loads at once; the lease only has to outlive it
-MAX_CAPACITY_TOKENS = 10**18  # beyond any cache; also keeps capacity x share within a float
+MAX_CAPACITY_TOKENS = 10**18  # beyond any cache
 
 
 @dataclass(frozen=True)
@@ -163,18 +164,24 @@ def replay(
 
 
 def tier_slots(capacity_tokens: int, tiers: TierSplit, block_tokens: int) -> dict[str, int]:
-    """Block slots of each tier at ``capacity_tokens``; ``InvalidRequest`` unless every tier gets
-    at least one and the capacity is at most ``MAX_CAPACITY_TOKENS``."""
+    """Block slots of each tier at ``capacity_tokens``: each tier's share of the capacity's whole
+    blocks, rounded down in exact arithmetic (the shares as written: 0.7 is 7/10), and the blocks
+    rounding leaves over go to the last tier, so the tiers hold as many as one tier of that
+    capacity. ``InvalidRequest`` unless every tier gets at least one and the capacity is at most
+    ``MAX_CAPACITY_TOKENS``."""
     if capacity_tokens > MAX_CAPACITY_TOKENS:
         raise InvalidRequest(f"a capacity of {Decimal(capacity_tokens):.3g} tokens is above 10**18, more than any "
                              "cache holds; check the number")
     if capacity_tokens < block_tokens * len(tiers.shares):
         raise InvalidRequest(f"capacity of {capacity_tokens} tokens is below one {block_tokens}-token block per tier")
-    slots = {name: int(capacity_tokens * share) // block_tokens for name, share in tiers.shares}
-    for name, count in slots.items():
-        if count < 1:
+    blocks = capacity_tokens // block_tokens
+    shares = {name: blocks * Fraction(repr(share)) for name, share in tiers.shares}  # exact: 46080 x 0.7 < 32256 in floats
+    for name, share in shares.items():
+        if share < 1:
             raise InvalidRequest(f"the {name} tier's share of {capacity_tokens} tokens is below one "
                                  f"{block_tokens}-token block; raise the capacity or its share")
+    slots = {name: share // 1 for name, share in shares.items()}
+    slots[tiers.shares[-1][0]] += blocks - sum(slots.values())
     return slots
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from kvstore.errors import InvalidRequest
 from kvstore.policies import DEFAULT_POLICY
-from kvstore.replay import TierSplit, default_capacities, replay, sweep
+from kvstore.replay import TierSplit, default_capacities, replay, sweep, tier_slots
 from kvstore.replay_report import format_summary, format_sizing, format_sweep
 from kvstore.trace import TraceRequest, write_trace
 
@@ -47,13 +47,13 @@ def test_tier_split_reports_hits_per_tier_and_splits_capacity():
 
 @pytest.mark.parametrize("write_policy", ["on_eviction", "write_through"])
 def test_a_prompt_longer_than_two_tiers_keeps_its_head_as_one_tier_does(write_policy):
-    """300 blocks sent 4 times into 195 slots split 1:3: the optimum keeps the head (582 block
-    hits). Before, the tiers broke the chain between them: LRU hit 114 (on_eviction) and 0
-    (write_through), against 585 with one tier of the same size."""
+    """300 blocks sent 4 times into 195 slots split 1:3: the optimum keeps the head (585 block
+    hits, as one tier of the same size). Before, the tiers broke the chain between them: LRU hit
+    114 (on_eviction) and 0 (write_through)."""
     trace = [req(*range(300))] * 4
     result = replay(trace, capacity_tokens=100_000, policy="lru", tiers=TierSplit.parse("host=0.25,disk=0.75"),
                     write_policy=write_policy)
-    assert result.hit_tokens == result.optimal_hit_tokens == 582 * B
+    assert result.hit_tokens == result.optimal_hit_tokens == 585 * B
 
 
 def test_replay_is_deterministic_and_never_beats_belady():
@@ -104,6 +104,19 @@ def test_default_capacities_span_the_footprint():
 def test_bad_tier_splits_are_refused(text):
     with pytest.raises(InvalidRequest):
         TierSplit.parse(text)
+
+
+@pytest.mark.parametrize("blocks, tiers, expected", [
+    (90, "host=0.3,disk=0.7", {"host": 27, "disk": 63}),  # 46080 x 0.7 is 32255.99... in floats: 62 before
+    (100, "host=0.29,disk=0.71", {"host": 29, "disk": 71}),
+    (3, "host=0.5,disk=0.5", {"host": 1, "disk": 2}),  # the block rounding leaves over goes to the last tier
+    (5859, "host=0.25,disk=0.75", {"host": 1464, "disk": 4395}),  # 3M tokens, as one tier's 5859
+    (7, "host=0.2,disk=0.3,ssd=0.5", {"host": 1, "disk": 2, "ssd": 4}),
+])
+def test_a_split_capacity_holds_as_many_blocks_as_one_tier(blocks, tiers, expected):
+    for extra_tokens in (0, B - 1):  # a part block of capacity holds nothing
+        slots = tier_slots(blocks * B + extra_tokens, TierSplit.parse(tiers), B)
+        assert slots == expected and sum(slots.values()) == blocks
 
 
 def test_capacity_below_one_block_per_tier_is_refused():
@@ -222,9 +235,9 @@ def test_a_capacity_no_float_can_split_is_refused():
 
 def test_the_summary_with_a_model_reads_tokens_then_bytes():
     result = replay([req(1), req(1)], 4000, tiers=TierSplit.parse("host=0.5,disk=0.5"))
-    assert ("capacity 4.0k tokens (183.4 MiB of deepseek-v3.2 KV; host 1.5k tokens, 70.4 MiB; disk 1.5k tokens, "
-            "70.4 MiB), write policy on_eviction") in format_summary(result, "t", "deepseek-v3.2")
-    assert "capacity 4.0k tokens (host 1.5k, disk 1.5k), write policy" in format_summary(result, "t")
+    assert ("capacity 4.0k tokens (183.4 MiB of deepseek-v3.2 KV; host 1.5k tokens, 70.4 MiB; disk 2.0k tokens, "
+            "93.9 MiB), write policy on_eviction") in format_summary(result, "t", "deepseek-v3.2")
+    assert "capacity 4.0k tokens (host 1.5k, disk 2.0k), write policy" in format_summary(result, "t")
 
 
 def _main(capsys, *args):
