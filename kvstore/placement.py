@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 
 from kvstore.checksum import layer_checksums
+from kvstore.policies import EvictionPolicy
 from kvstore.tiers.base import BlockMeta, Tier
 from kvstore.validation import closes_loop
 
@@ -31,10 +32,20 @@ WRITE_THROUGH_BACKLOG = 0.25
 
 
 class PlacementMixin:
+    def _policies_sized(self, factory: Callable[[], EvictionPolicy]) -> list[EvictionPolicy]:
+        """One policy per tier, each told the share of the store's capacity its tier holds."""
+        policies = [factory() for _ in self.tiers]
+        total = sum(tier.capacity_bytes for tier in self.tiers)
+        for tier, policy in zip(self.tiers, policies):
+            policy.size_for_store(tier.capacity_bytes / total if total else 1.0)
+        return policies
+
     def _put_one(self, key: bytes, view: np.ndarray, meta: BlockMeta) -> str:
         """Store one block of a put in the first tier that admits it and has room: "stored",
-        "duplicate" (held already, or being put) or "rejected". The policies of the tiers that
-        did not store it are told it came and went (``_bypass``)."""
+        "duplicate" (held already, or being put) or "rejected". The policies of the faster tiers,
+        which did not store it, are told it came and went (``_bypass``); those of the slower ones
+        that another tier stored it (``on_stored_elsewhere``), before any copy of it moves in
+        (write-through, demotion)."""
         with self._lock:
             if key in self._doomed:  # deleted, still leased by a reader: it can be stored once that lease ends
                 return "rejected"
@@ -44,9 +55,10 @@ class PlacementMixin:
         try:
             for t in range(len(self.tiers)):
                 if self._policies[t].admit(key, meta.parent, meta.nbytes) and self._place(t, key, view, meta):
-                    self._write_through(key, t, meta)
-                    if t:  # the faster tiers, which did not take it, hear that it came and went
+                    if t:
                         self._bypass(range(t), key, meta)
+                    self._tell_slower_tiers(t, key, meta)
+                    self._write_through(key, t, meta)
                     return "stored"
             self._bypass(range(len(self.tiers)), key, meta)
             return "rejected"
@@ -66,6 +78,23 @@ class PlacementMixin:
                     self._policies[t].on_bypass(key, meta.parent, meta.nbytes)
             return "duplicate" if bits and key not in self._doomed else "rejected"
 
+    def _tell_slower_tiers(self, t: int, key: bytes, meta: BlockMeta) -> None:
+        """Tier ``t`` stored ``key``: the policies of the tiers below hear of it (``on_stored_elsewhere``)."""
+        if t + 1 < len(self.tiers):
+            with self._lock:
+                for policy in self._policies[t + 1:]:
+                    policy.on_stored_elsewhere(key, meta.parent, meta.nbytes)
+
+    def _note_hit(self, t: int, key: bytes) -> None:
+        """Tier ``t`` served a hit on ``key``: its policy is told of the access, the others of a
+        reference of the store's workload (``on_hit_elsewhere``). Caller holds the lock."""
+        self._policies[t].on_access(key)
+        if len(self._policies) > 1:
+            parent = self.tiers[t].parent_of(key)
+            for u, policy in enumerate(self._policies):
+                if u != t:
+                    policy.on_hit_elsewhere(key, parent)
+
     def _promote(self, key: bytes, payload: np.ndarray, source_meta: BlockMeta | None) -> None:
         if source_meta is None:  # dropped meanwhile; the caller's bytes were verified, but not worth a slot
             return
@@ -73,12 +102,13 @@ class PlacementMixin:
             return
         meta = source_meta if source_meta.checksums else replace(
             source_meta, checksums=layer_checksums(payload, source_meta.num_layers))
-        if self._place(0, key, payload, meta):
+        if self._place(0, key, payload, meta, moved=True):
             with self._lock:
                 self._counters["promotions_in:0"] += 1
 
-    def _place(self, t: int, key: bytes, payload: np.ndarray, meta: BlockMeta) -> bool:
-        """Make room in tier ``t`` by policy, write, publish. False when no room can be made; when
+    def _place(self, t: int, key: bytes, payload: np.ndarray, meta: BlockMeta, moved: bool = False) -> bool:
+        """Make room in tier ``t`` by policy, write, publish (``moved``: a copy from another tier,
+        which its policy hears as ``on_move_in``, not as a new block). False when no room can be made; when
         another thread is writing the same block into the same tier (two promotions of one block,
         say: a tier accepts each block once); or when the block would close a loop with what is
         resident (``_would_loop``), checked at publication, under the lock: two puts racing to
@@ -98,7 +128,7 @@ class PlacementMixin:
                         if self._would_loop({key}, meta.parent):
                             tier.discard(key)
                             return False
-                        self._publish(t, key, meta)
+                        self._publish(t, key, meta, moved)
             finally:
                 try:
                     tier.unreserve(key)  # the write took the room, unless it raised first
@@ -227,7 +257,7 @@ class PlacementMixin:
                     return
             for target in range(source + 1, len(self.tiers)):
                 try:
-                    self._place(target, key, payload, meta)
+                    self._place(target, key, payload, meta, moved=True)
                 except Exception:
                     log.exception("write-through copy to the %s tier failed", self.tiers[target].name)
         finally:
@@ -322,7 +352,7 @@ class PlacementMixin:
                 payload = np.empty(meta.nbytes, np.uint8)
                 payload = payload if source.read(key, payload) else None
             readable = meta is not None and payload is not None
-            return readable and self._place(t + 1, key, payload, meta), readable
+            return readable and self._place(t + 1, key, payload, meta, moved=True), readable
         except BaseException:
             with self._lock:
                 self._leases.unpin([key])

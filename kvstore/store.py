@@ -81,7 +81,7 @@ class TieredStore(PlacementMixin, LeaseHolderMixin):
         self.tiers = list(tiers)
         self._tier_index = {name: t for t, name in enumerate(names)}
         factory = policy if callable(policy) else (lambda: make_policy(policy))
-        self._policies = [factory() for _ in self.tiers]
+        self._policies = self._policies_sized(factory)
         self.policy_name = self._policies[0].name
         self.write_policy = write_policy
         self.promote_on_hit = promote_on_hit
@@ -251,7 +251,7 @@ class TieredStore(PlacementMixin, LeaseHolderMixin):
         with self._lock:
             keys = [ns_id + h for h in block_hashes if self._bits(ns_id + h) >> t & 1]
             for key in keys:
-                self._policies[t].on_access(key)
+                self._note_hit(t, key)
             self._counters[f"loaded_blocks:{t}"] += len(keys)
         return len(keys)
 
@@ -281,8 +281,8 @@ class TieredStore(PlacementMixin, LeaseHolderMixin):
                     continue
                 if tier.read(key, dst, first_layer, num_layers):
                     with self._lock:
-                        self._policies[t].on_access(key)
                         if first_layer == 0:  # a layer-wise load counts its block once, at layer 0
+                            self._note_hit(t, key)
                             self._counters[f"loaded_blocks:{t}"] += 1
                     if t and self.promote_on_hit and first_layer == 0:
                         self._promote(key, dst, tier.meta(key))
@@ -342,9 +342,9 @@ class TieredStore(PlacementMixin, LeaseHolderMixin):
 
     # ---- directory bookkeeping (caller holds the lock) ------------------------------------
 
-    def _publish(self, t: int, key: bytes, meta: BlockMeta) -> None:
+    def _publish(self, t: int, key: bytes, meta: BlockMeta, moved: bool = False) -> None:
         self._directory.add(key, t)
-        self._policies[t].on_insert(key, meta.parent, meta.nbytes)
+        (self._policies[t].on_move_in if moved else self._policies[t].on_insert)(key, meta.parent, meta.nbytes)
         if self._shadows is not None:
             self._shadows.update(key, self._bits(key))
 

@@ -6,7 +6,10 @@ A tier holds blocks of prefix chains. Evicting block i of a chain makes blocks i
 in the same tier. A chain therefore loses its tail before its head, and a parent becomes a
 candidate once its last child is gone.
 
-A policy is told about every insert, access and removal of its tier, in that tier's order.
+A policy is told about every insert, access and removal of its tier, in that tier's order, and
+about the rest of the store's references (blocks other tiers stored or served:
+``on_stored_elsewhere``, ``on_hit_elsewhere``); a block copied in from another tier is
+``on_move_in``, not a reference.
 ``victims()`` yields candidates, best victim first; the caller evicts some of them (calling
 ``on_remove``) and may stop at any time. Subclasses choose the order with one method,
 ``priority``: the smallest priority is evicted first.
@@ -67,6 +70,28 @@ class EvictionPolicy(ABC):
         (history, ghosts, a selector's miniature caches). Default: ``on_insert`` then ``on_remove``."""
         self.on_insert(key, parent, nbytes)
         self.on_remove(key)
+
+    def size_for_store(self, tier_share: float) -> None:
+        """The store tells each tier's policy once, before any event, the share of the store's
+        capacity (0 < ``tier_share`` <= 1) its tier holds: a policy that learns from the whole
+        store's references and bounds what it remembers by its own resident blocks scales that
+        bound by 1 / ``tier_share``. Default: nothing."""
+
+    def on_stored_elsewhere(self, key: bytes, parent: bytes | None, nbytes: int) -> None:
+        """A faster tier of the store stored ``key`` (a block of a put): a reference of the whole
+        workload, for policies that learn from it. Default: nothing (the tier's own events only)."""
+
+    def on_move_in(self, key: bytes, parent: bytes | None, nbytes: int) -> None:
+        """``key`` became resident here as a copy from another tier of the store (a demotion, a
+        promotion, a write-through copy). That is no new reference: the store reported the
+        reference when it happened (``on_stored_elsewhere``, ``on_hit_elsewhere``). Default:
+        ``on_insert``, so policies that learn from their tier's own events alone see it as new
+        (exclusive LRU tiers together behave as one LRU)."""
+        self.on_insert(key, parent, nbytes)
+
+    def on_hit_elsewhere(self, key: bytes, parent: bytes | None) -> None:
+        """Another tier of the store served a hit on ``key`` (resident here or not): a reference of
+        the whole workload, for policies that learn from it. Default: nothing."""
 
     def has_resident_children(self, key: bytes) -> bool:
         """Whether a block resident in this tier names ``key`` as its parent. Default: False (a

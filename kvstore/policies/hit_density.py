@@ -21,7 +21,11 @@ Learning: a bounded history (``history_factor`` x resident, resident and evicted
 remembers each key's class, last reference and use count. A reference to a remembered key is a
 reuse at its age in its class, whether it hit or was stored again after eviction (it would have
 hit had it stayed), so the statistics do not depend on the policy's own choices. Keys forgotten
-unreferenced end without reuse; keys still waiting are censored (Kaplan-Meier per class). Ages
+unreferenced end without reuse; keys still waiting are censored (Kaplan-Meier per class). In a
+tiered store every tier's policy learns from the whole store's references (``on_stored_elsewhere``,
+``on_hit_elsewhere``) and a block demoted or promoted into the tier keeps its record
+(``on_move_in``): each tier ranks its blocks by the statistics one tier of the whole store would
+learn (from a history bounded by its own resident blocks, so a small tier forgets sooner). Ages
 are bucketed on a log scale, so the model is scale-free; densities are recomputed every
 ``capacity/2`` inserts, O(history) each time, O(1) amortised per insert.
 
@@ -169,6 +173,7 @@ class HitDensityPolicy(ChainPolicy):
         self._bucket_of_small_age = _small_age_buckets(self.per_octave, self.age_buckets)
         self._age_bucket_floors = _age_bucket_floors(self.per_octave, self.age_buckets)
         self._next_reconfigure = self.first_reconfigure
+        self._history_per_resident: float = self.history_factor  # keys remembered per resident block (``size_for_store``)
         # _class(uses, False) of a new block and of one referenced again (index: uses, the last for more)
         self._class_by_uses = tuple(self._class(uses, False) for uses in range(self._fine_use_classes + 2))
 
@@ -251,7 +256,7 @@ class HitDensityPolicy(ChainPolicy):
         at = self._leaf_at.get(key)  # _note_leaf, inlined: every reference comes here
         if at is not None:
             self._leaf_cls[at], self._leaf_last[at] = cls, now
-        if len(history) > self.history_factor * len(self._entries) + 1024:
+        if len(history) > self._history_per_resident * len(self._entries) + 1024:
             self._forget_oldest()
         elif len(self._order) > 2 * len(history) + 1024:
             self._compact_order()
@@ -260,7 +265,7 @@ class HitDensityPolicy(ChainPolicy):
         """Forget the keys referenced least recently until the history is back to its bound:
         each ends without reuse at its age."""
         history, order, stale = self._history, self._order, self._seen_stale
-        while len(history) > self.history_factor * len(self._entries) + 1024:
+        while len(history) > self._history_per_resident * len(self._entries) + 1024:
             key = order.popleft()
             slot = history[key]
             if stale[slot]:  # referenced again since: its latest place is further on
@@ -294,7 +299,7 @@ class HitDensityPolicy(ChainPolicy):
             slot = self._history.get(key)
             if slot is not None and self._seen_uses[slot] == 1:
                 entry = self._entries.get(key)
-                self._seen_cls[slot] = self._class(1, key == tail and entry is not None and not entry.children, len(run))
+                self._seen_cls[slot] = self._class(1, key == tail and (entry is None or not entry.children), len(run))
                 self._note_leaf(key, slot)
 
     def _reconfigure(self) -> None:
@@ -358,18 +363,39 @@ class HitDensityPolicy(ChainPolicy):
         return True
 
     def on_insert(self, key: bytes, parent: bytes | None, nbytes: int) -> None:
+        self._note_store(key, parent)
+        super().on_insert(key, parent, nbytes)
+        if parent is not None:
+            self._drop_leaf(parent)
+        self._admitting_parent = None
+        if self._now >= self._next_reconfigure:
+            self._reconfigure()
+
+    def size_for_store(self, tier_share: float) -> None:
+        """Remember ``history_factor`` keys per block of the whole store, not of this tier: its
+        statistics are the store's (``on_stored_elsewhere``), and a small tier's history would
+        forget keys long before the store's other tiers do."""
+        if not 0 < tier_share <= 1:
+            raise ValueError(f"a tier's share of the store is in (0, 1], got {tier_share}")
+        self._history_per_resident = self.history_factor / tier_share
+
+    def on_stored_elsewhere(self, key: bytes, parent: bytes | None, nbytes: int) -> None:
+        """A store in the history, its insertion run included, with no residency here: the
+        history a tier of the whole store's size would keep. (``on_bypass``, a block this tier
+        refused, still comes and goes through residency, as it always has.)"""
+        self._note_store(key, parent)
+        if self._now >= self._next_reconfigure:
+            self._reconfigure()
+
+    def _note_store(self, key: bytes, parent: bytes | None) -> None:
+        """The store took ``key`` (here or in another tier): a reference on the insert clock, in
+        the insertion run that ``parent`` continues (or a new one)."""
         if parent is None or parent != self._last_inserted:
             self._end_run()
         self._now += 1
         self._reference(key)
-        super().on_insert(key, parent, nbytes)
-        if parent is not None:
-            self._drop_leaf(parent)
         self._run.append(key)
         self._last_inserted = key
-        self._admitting_parent = None
-        if self._now >= self._next_reconfigure:
-            self._reconfigure()
 
     def on_access(self, key: bytes) -> None:
         if key not in self._entries:
@@ -378,11 +404,21 @@ class HitDensityPolicy(ChainPolicy):
         self._reference(key)
         # not the base class's: its recency and heap are LRU's, and a resident leaf is in the leaf set already
 
+    def on_move_in(self, key: bytes, parent: bytes | None, nbytes: int) -> None:
+        """Resident here with the history the store's references gave it, ranked as one tier
+        holding the whole store would rank it: no reference of its own, so the clock, the
+        insertion run and the statistics stay as they are."""
+        ChainPolicy.on_insert(self, key, parent, nbytes)
+        if parent is not None:
+            self._drop_leaf(parent)
+
+    def on_hit_elsewhere(self, key: bytes, parent: bytes | None) -> None:
+        self._end_run()
+        self._reference(key)
+
     def on_remove(self, key: bytes) -> None:
-        if key in self._entries:
+        if key in self._entries:  # a removal ends no insertion run: the run is the store's, not this tier's
             self._drop_leaf(key)
-            if key == self._last_inserted:
-                self._last_inserted = None
         super().on_remove(key)
 
     def victims(self, evictable: Callable[[bytes], bool] = lambda k: True) -> Iterator[bytes]:

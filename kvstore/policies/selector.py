@@ -7,7 +7,8 @@ is worth 1.5 to 2.2 points on multi-turn chat and costs 2.4 on the Mooncake trac
 cache can tell (Waldspurger et al., "Cache Modeling and Optimization using Miniature
 Simulations", USENIX ATC 2017):
 
-- Every candidate is a full policy told every insert, access and removal of the tier, so any of
+- Every candidate is a full policy told every insert, access and removal of the tier (and the
+  store's references other tiers took: ``on_stored_elsewhere``, ``on_hit_elsewhere``), so any of
   them can lead at any moment with a complete view; a change of leader moves nothing.
   Candidates that can share one record of the tier (HitDensity kinds, see ``adaptive``) are
   told each event once.
@@ -15,8 +16,9 @@ Simulations", USENIX ATC 2017):
   draw, so a sampled chain is sampled whole, as prefix hits need. (A block whose parent the tier
   has not seen, such as a tail demoted before its head, draws for itself.)
 - Each candidate also runs a metadata-only cache of 1/``sample_one_in`` of the tier's capacity
-  (the most blocks the tier has held) over the references to sampled chains. A reference to a
-  block the miniature holds is a hit there.
+  (the most blocks the tier has held) over the references to sampled chains, those other tiers
+  took included, so a lower tier's miniatures see the workload, not its demotions. A reference
+  to a block the miniature holds is a hit there.
 - Hits are counted with exponential decay, a half-life of ``half_life_fills`` miniature fills,
   so a change of workload changes the leader. The candidate with the most leads; a tie keeps the
   current leader.
@@ -66,6 +68,22 @@ class SeparateCandidates:
         for policy in self.policies:
             policy.on_remove(key)
 
+    def size_for_store(self, tier_share: float) -> None:
+        for policy in self.policies:
+            policy.size_for_store(tier_share)
+
+    def on_stored_elsewhere(self, key: bytes, parent: bytes | None, nbytes: int) -> None:
+        for policy in self.policies:
+            policy.on_stored_elsewhere(key, parent, nbytes)
+
+    def on_move_in(self, key: bytes, parent: bytes | None, nbytes: int) -> None:
+        for policy in self.policies:
+            policy.on_move_in(key, parent, nbytes)
+
+    def on_hit_elsewhere(self, key: bytes, parent: bytes | None) -> None:
+        for policy in self.policies:
+            policy.on_hit_elsewhere(key, parent)
+
     def victims(self, candidate: int, evictable: Callable[[bytes], bool]) -> Iterator[bytes]:
         return self.policies[candidate].victims(evictable)
 
@@ -82,6 +100,8 @@ class SharedCandidates:
         self.names = policy.scheme_names
         # every event goes straight to the one record: no frame of this object's own per block
         self.on_insert, self.on_access, self.on_remove = policy.on_insert, policy.on_access, policy.on_remove
+        self.on_stored_elsewhere, self.on_move_in = policy.on_stored_elsewhere, policy.on_move_in
+        self.on_hit_elsewhere, self.size_for_store = policy.on_hit_elsewhere, policy.size_for_store
 
     def admit(self, key: bytes, parent: bytes | None, nbytes: int) -> list[bool]:
         return [self.policy.admit(key, parent, nbytes)] * len(self.names)
@@ -182,24 +202,47 @@ class SelectorPolicy(EvictionPolicy):
 
     def on_insert(self, key: bytes, parent: bytes | None, nbytes: int) -> None:
         self._tier.on_insert(key, parent, nbytes)
-        link = self._links.get(key)
-        if link is None:
-            parent_link = self._links.get(parent) if parent is not None else None
-            sampled = parent_link.sampled if parent_link is not None else self._draw(key)
-            link = self._links[key] = _Link(parent, sampled)
-        if not link.in_tier:
-            link.in_tier = True
-            self._resident += 1
-            if self._resident > self._most_resident:
-                self._most_resident = self._resident
+        link = self._enter(key, parent)
         if link.sampled:
             self._simulate(key, link.parent)
+
+    def size_for_store(self, tier_share: float) -> None:
+        self._tier.size_for_store(tier_share)  # the miniatures model a tier of their own: their bounds stay
+
+    def on_stored_elsewhere(self, key: bytes, parent: bytes | None, nbytes: int) -> None:
+        """A block a faster tier stored: a reference the miniatures serve."""
+        self._tier.on_stored_elsewhere(key, parent, nbytes)
+        self._reference_elsewhere(key, parent)
+
+    def on_move_in(self, key: bytes, parent: bytes | None, nbytes: int) -> None:
+        """Resident here, copied from another tier: the miniatures saw its reference already."""
+        self._tier.on_move_in(key, parent, nbytes)
+        self._enter(key, parent)
 
     def on_access(self, key: bytes) -> None:
         self._tier.on_access(key)
         link = self._links.get(key)
         if link is not None and link.in_tier and link.sampled:
             self._simulate(key, link.parent)
+
+    def on_hit_elsewhere(self, key: bytes, parent: bytes | None) -> None:
+        """A reference of the store's workload: the miniatures serve it as they serve this tier's."""
+        self._tier.on_hit_elsewhere(key, parent)
+        self._reference_elsewhere(key, parent)
+
+    def _reference_elsewhere(self, key: bytes, parent: bytes | None) -> None:
+        """A reference to ``key`` that this tier did not serve or store, for the miniatures."""
+        link = self._links.get(key)
+        if link is None:
+            # the selector keeps no record of unsampled blocks outside the tier: a block whose
+            # parent it does not know is taken as unsampled, so no chain is sampled in part
+            parent_link = self._links.get(parent) if parent is not None else None
+            if not (parent_link.sampled if parent_link is not None else parent is None and self._draw(key)):
+                return
+            link = self._links[key] = _Link(parent, True)
+        if link.sampled:
+            self._simulate(key, link.parent)
+            self._forget_if_unused(key, link)
 
     def on_remove(self, key: bytes) -> None:
         self._tier.on_remove(key)
@@ -216,7 +259,24 @@ class SelectorPolicy(EvictionPolicy):
     def has_resident_children(self, key: bytes) -> bool:
         return self._tier.has_resident_children(self._leader, key)
 
+    def _enter(self, key: bytes, parent: bytes | None) -> _Link:
+        """``key``'s record, made resident in the tier (made first, with its chain's draw, if new)."""
+        link = self._links.get(key)
+        if link is None:
+            link = self._links[key] = _Link(parent, self._draws(key, parent))
+        if not link.in_tier:
+            link.in_tier = True
+            self._resident += 1
+            if self._resident > self._most_resident:
+                self._most_resident = self._resident
+        return link
+
     # ---- the miniatures ------------------------------------------------------------------------
+
+    def _draws(self, key: bytes, parent: bytes | None) -> bool:
+        """Whether ``key``'s chain is sampled: its parent's draw where the selector knows the parent."""
+        parent_link = self._links.get(parent) if parent is not None else None
+        return parent_link.sampled if parent_link is not None else self._draw(key)
 
     def _draw(self, key: bytes) -> bool:
         return zlib.crc32(key, self._seed) % self.sample_one_in == 0

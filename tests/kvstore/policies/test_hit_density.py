@@ -199,3 +199,59 @@ def test_decisions_are_those_of_the_policies_before_the_shared_record():
     hits = {name: replay(trace, 40 * 512, name, with_optimal=False).hit_tokens
             for name in ("hit_density", "hit_density_pooled", "adaptive")}
     assert hits == {"hit_density": 897024, "hit_density_pooled": 889856, "adaptive": 889344}
+
+
+def test_a_tier_told_of_the_stores_and_hits_elsewhere_keeps_the_history_one_tier_keeps():
+    """A lower tier's policy hears of blocks a faster tier stored (``on_stored_elsewhere``) and
+    of hits it served (``on_hit_elsewhere``): it must remember every block with the class and
+    last reference of a policy that stored and served them itself, insertion runs and tails
+    included (a block told of as a bypass came and went, which ended its run: every block
+    looked like a one-block run)."""
+    rng = random.Random(4)
+    one, lower = HitDensityPolicy(), HitDensityPolicy()
+    chains: list[list[bytes]] = []
+    fresh = 1
+    for _ in range(300):
+        if chains and rng.random() < 0.5:  # a hit on a known prefix, then maybe an extension
+            chain = rng.choice(chains)
+            for key in chain[:rng.randint(1, len(chain))]:
+                one.on_access(key)
+                lower.on_hit_elsewhere(key, None)
+            if rng.random() < 0.5:
+                continue
+            parent, new = chain[-1], []
+        else:
+            parent, new = None, []
+            chains.append(new)
+        for _ in range(rng.choice((1, 2, 3, 5, 8))):
+            key = k(fresh)
+            fresh += 1
+            one.on_insert(key, parent, 1)
+            lower.on_stored_elsewhere(key, parent, 1)
+            new.append(key)
+            parent = key
+        if new is not chains[-1]:
+            chain.extend(new)
+    one.on_insert(k(fresh), None, 1)  # a new run ends the last one in both
+    lower.on_stored_elsewhere(k(fresh), None, 1)
+    assert fresh < 1024  # nothing forgotten by either
+    assert len(lower) == 0 and set(lower._history) == set(one._history)
+    assert all(lower.remembered(key) == one.remembered(key) for key in one._history)
+    classes = {one.remembered(key)[0] for key in one._history}
+    assert len(classes) >= 6  # runs of several lengths, tails and reused blocks: the check has teeth
+
+
+def test_a_block_moved_in_is_resident_with_its_history_and_no_new_reference():
+    """A demotion or promotion copies a block in from another tier: no reference, so its class,
+    last reference and the clock stay as the store's references left them."""
+    policy = HitDensityPolicy()
+    chain = [k(1), k(2), k(3)]
+    for parent, key in zip([None, *chain], chain):
+        policy.on_stored_elsewhere(key, parent, 1)
+    policy.on_hit_elsewhere(k(1), None)
+    before = {key: policy.remembered(key) for key in chain}
+    clock = policy._now
+    policy.on_move_in(k(1), None, 1)
+    policy.on_move_in(k(2), k(1), 1)
+    assert {key: policy.remembered(key) for key in chain} == before and policy._now == clock
+    assert len(policy) == 2 and list(policy.victims()) == [k(2)]  # k(1) has a resident child

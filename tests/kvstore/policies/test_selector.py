@@ -111,3 +111,19 @@ def test_adaptive_with_candidates_that_cannot_share_a_record_keeps_one_each():
         selector_hits, selector = replay_with(trace, 24, lambda: SelectorPolicy(pair))
         assert adaptive_hits == selector_hits > 0 and adaptive.leader == selector.leader
         assert list(adaptive.miniature_hits()) == [p.name for p in pair]
+
+
+def test_chains_stored_elsewhere_are_sampled_whole_or_not_at_all():
+    """A lower tier hears of chains a faster tier stored. The selector keeps no record of
+    unsampled blocks outside its tier, so a block whose parent it does not know must not draw
+    for itself: its miniatures would see the middle of a chain without its head."""
+    policy = AdaptivePolicy()
+    sampled = 0
+    for c in range(400):
+        chain = [k(c * 10 + b) for b in range(4)]
+        for parent, key in zip([None, *chain], chain):
+            policy.on_stored_elsewhere(key, parent, 1)
+        held = [key in policy._links for key in chain]  # the miniatures (16 blocks) hold a chain just stored
+        assert held == [policy._draw(chain[0])] * 4
+        sampled += held[0]
+    assert 50 < sampled < 150 and len(policy) == 0
