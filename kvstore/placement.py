@@ -32,12 +32,15 @@ WRITE_THROUGH_BACKLOG = 0.25
 
 
 class PlacementMixin:
-    def _policies_sized(self, factory: Callable[[], EvictionPolicy]) -> list[EvictionPolicy]:
-        """One policy per tier, each told the share of the store's capacity its tier holds."""
+    def _policies_sized(self, factory: Callable[[], EvictionPolicy], write_policy: str) -> list[EvictionPolicy]:
+        """One policy per tier, each told its tier's share of the blocks the store can hold: the
+        tiers' capacities add up where victims are demoted (``on_eviction``); under
+        ``write_through`` the largest tier holds copies of the others' blocks too."""
         policies = [factory() for _ in self.tiers]
-        total = sum(tier.capacity_bytes for tier in self.tiers)
-        for tier, policy in zip(self.tiers, policies):
-            policy.size_for_store(tier.capacity_bytes / total if total else 1.0)
+        capacities = [tier.capacity_bytes for tier in self.tiers]
+        store = sum(capacities) if write_policy == "on_eviction" else max(capacities)
+        for capacity, policy in zip(capacities, policies):
+            policy.size_for_store(min(1.0, capacity / store) if store else 1.0)
         return policies
 
     def _put_one(self, key: bytes, view: np.ndarray, meta: BlockMeta) -> str:

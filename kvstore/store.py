@@ -81,7 +81,7 @@ class TieredStore(PlacementMixin, LeaseHolderMixin):
         self.tiers = list(tiers)
         self._tier_index = {name: t for t, name in enumerate(names)}
         factory = policy if callable(policy) else (lambda: make_policy(policy))
-        self._policies = self._policies_sized(factory)
+        self._policies = self._policies_sized(factory, write_policy)
         self.policy_name = self._policies[0].name
         self.write_policy = write_policy
         self.promote_on_hit = promote_on_hit

@@ -6,9 +6,12 @@ tier of the whole store would, whatever its own share of the blocks."""
 import random
 
 import numpy as np
+import pytest
 
 from kvstore.policies import HitDensityPolicy
 from kvstore.replay import TierSplit, replay
+from kvstore.store import TieredStore
+from kvstore.tiers.accounting import AccountingTier
 from kvstore.trace import TraceRequest
 from tests.kvstore.store_helpers import load_all, put_chain
 
@@ -86,3 +89,18 @@ def test_a_hit_is_one_reference_to_every_tier_whether_loaded_whole_or_layer_by_l
     assert (uses(host), uses(disk)) == (2, 2)
     loaded, _ = load_all(store, ns_id, spec, chain[:1])
     assert loaded.tiers == ("host",) and (uses(host), uses(disk)) == (3, 3)
+
+
+@pytest.mark.parametrize("write_policy, host_keys, disk_keys", [("on_eviction", 8 * 4, 8 * 4 / 3),
+                                                               ("write_through", 8 * 3, 8)])
+def test_each_policy_is_sized_to_its_tiers_share_of_the_blocks_the_store_holds(write_policy, host_keys, disk_keys):
+    """Demoting tiers add up (the host holds a quarter of the store); under write-through the
+    disk holds the host's blocks too, so the store holds as many blocks as the disk."""
+    store = TieredStore([AccountingTier("host", 100), AccountingTier("disk", 300)], policy=HitDensityPolicy,
+                        write_policy=write_policy, background_writes=False)
+    try:
+        host, disk = store._policies
+        assert host._history_per_resident == pytest.approx(host_keys)
+        assert disk._history_per_resident == pytest.approx(disk_keys)
+    finally:
+        store.close()
