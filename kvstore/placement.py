@@ -109,9 +109,13 @@ class PlacementMixin:
             with self._lock:
                 self._counters["promotions_in:0"] += 1
 
-    def _place(self, t: int, key: bytes, payload: np.ndarray, meta: BlockMeta, moved: bool = False) -> bool:
+    def _place(self, t: int, key: bytes, payload: np.ndarray, meta: BlockMeta, moved: bool = False,
+               demoted: bool = False) -> bool:
         """Make room in tier ``t`` by policy, write, publish (``moved``: a copy from another tier,
-        which its policy hears as ``on_move_in``, not as a new block). False when no room can be made; when
+        which its policy hears as ``on_move_in``, not as a new block; ``demoted``: a victim of the
+        tier above, which enters only if its policy values it as much as the block it would evict
+        for it, ``EvictionPolicy.admits_demotion``). False when no room can be made or the
+        demotion is not admitted; when
         another thread is writing the same block into the same tier (two promotions of one block,
         say: a tier accepts each block once); or when the block would close a loop with what is
         resident (``_would_loop``), checked at publication, under the lock: two puts racing to
@@ -121,7 +125,7 @@ class PlacementMixin:
         The caller does not hold the lock: room is made, and the block written, outside it."""
         tier = self.tiers[t]
         for _ in range(3):  # a write the medium refused (out of space on the file system, say) is tried again
-            claimed = self._claim_room(t, key, meta)
+            claimed = self._claim_room(t, key, meta, demoted)
             if claimed is not True:
                 return claimed is None
             try:
@@ -142,7 +146,7 @@ class PlacementMixin:
                 return True
         return False
 
-    def _claim_room(self, t: int, key: bytes, meta: BlockMeta) -> bool | None:
+    def _claim_room(self, t: int, key: bytes, meta: BlockMeta, demoted: bool = False) -> bool | None:
         """Make room for ``key`` in tier ``t``, reserve it (``Tier.reserve``: no other thread's
         claim can take it before this write lands) and mark the block as being written there
         (``_placing``): True once room is reserved, None when the tier holds it already, False when
@@ -164,7 +168,7 @@ class PlacementMixin:
                 if (t, key) in self._placing:
                     return False
                 keep = meta.parent if self._only_copy(t, meta.parent) else None
-                room = self._make_room(t, meta.nbytes, keep, meta.parent, tried)
+                room = self._make_room(t, meta.nbytes, keep, meta.parent, tried, key if demoted else None)
                 if room is True and not self.tiers[t].reserve(key, meta.nbytes):
                     refusals += 1  # a failed hole punch counted its bytes as dead meanwhile, say: make room again
                     if refusals < 3:
@@ -270,7 +274,7 @@ class PlacementMixin:
                 self._bury_doomed([key])
 
     def _make_room(self, t: int, nbytes: int, keep: bytes | None = None, parent: bytes | None = None,
-                   tried: set[bytes] = frozenset()) -> "bool | Demotion":
+                   tried: set[bytes] = frozenset(), demoted: bytes | None = None) -> "bool | Demotion":
         """Evict victims of tier ``t`` (by its policy) until ``nbytes`` fit: True then, or the
         first victim to demote (pinned, a ``Demotion`` for the caller to carry out once it has
         let the lock go). False, with nothing more evicted, once the policy's next victim is
@@ -280,7 +284,9 @@ class PlacementMixin:
         push out blocks its policy values more. No victim goes whose loss strands resident
         children (``_evictable``), nor, where eviction demotes and the tier below has no room for
         it, ``parent`` (the block needing the room is a child of it: ``_finish_demotion`` keeps it), and
-        none in ``tried`` (whose demotion left them in place) is offered. Caller holds the lock."""
+        none in ``tried`` (whose demotion left them in place) is offered. False, with nothing
+        evicted, when the room is for ``demoted`` (a victim of the tier above) and the policy does
+        not admit it (``admits_demotion``): it leaves the store instead. Caller holds the lock."""
         tier = self.tiers[t]
         if tier.footprint(nbytes) > tier.capacity_bytes:
             return False
@@ -292,6 +298,8 @@ class PlacementMixin:
         evictable = self._evictable(t)
         if tried:
             evictable = lambda k, untried=evictable: k not in tried and untried(k)  # noqa: E731
+        if demoted is not None and not self._policies[t].admits_demotion(demoted, evictable):
+            return False
         # A tier with slots of several sizes first offers the victims whose slot would hold this
         # block; in any other tier every victim helps, and one pass offers every victim there is.
         passes = [evictable]
@@ -355,7 +363,7 @@ class PlacementMixin:
                 payload = np.empty(meta.nbytes, np.uint8)
                 payload = payload if source.read(key, payload) else None
             readable = meta is not None and payload is not None
-            return readable and self._place(t + 1, key, payload, meta, moved=True), readable
+            return readable and self._place(t + 1, key, payload, meta, moved=True, demoted=True), readable
         except BaseException:
             with self._lock:
                 self._leases.unpin([key])

@@ -89,6 +89,13 @@ class EvictionPolicy(ABC):
         (exclusive LRU tiers together behave as one LRU)."""
         self.on_insert(key, parent, nbytes)
 
+    def admits_demotion(self, key: bytes, evictable: Callable[[bytes], bool]) -> bool:
+        """Whether ``key``, a victim of a faster tier that this full tier would make room for, is
+        worth the block it would evict for it (among those ``evictable`` accepts). False: it
+        leaves the store instead, so what leaves is the less valuable of the two tiers' victims.
+        Default: True (exclusive LRU tiers together behave as one LRU)."""
+        return True
+
     def on_hit_elsewhere(self, key: bytes, parent: bytes | None) -> None:
         """Another tier of the store served a hit on ``key`` (resident here or not): a reference of
         the whole workload, for policies that learn from it. Default: nothing."""

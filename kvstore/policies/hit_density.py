@@ -25,7 +25,8 @@ unreferenced end without reuse; keys still waiting are censored (Kaplan-Meier pe
 tiered store every tier's policy learns from the whole store's references (``on_stored_elsewhere``,
 ``on_hit_elsewhere``) and a block demoted or promoted into the tier keeps its record
 (``on_move_in``): each tier ranks its blocks by the statistics one tier of the whole store would
-learn (from a history bounded by its own resident blocks, so a small tier forgets sooner). Ages
+learn (its history sized to the whole store, ``size_for_store``), and a full lower tier admits a
+demoted block only if it is as dense as the leaf it would evict (``admits_demotion``). Ages
 are bucketed on a log scale, so the model is scale-free; densities are recomputed every
 ``capacity/2`` inserts, O(history) each time, O(1) amortised per insert.
 
@@ -411,6 +412,14 @@ class HitDensityPolicy(ChainPolicy):
         ChainPolicy.on_insert(self, key, parent, nbytes)
         if parent is not None:
             self._drop_leaf(parent)
+
+    def admits_demotion(self, key: bytes, evictable: Callable[[bytes], bool] = lambda k: True,
+                        scheme: int = 0) -> bool:
+        """Whether ``key``'s density (its record from the store's references) reaches that of the
+        sampled leaf this tier would evict (by ``schemes[scheme]``)."""
+        ranking = self._schemes[scheme]
+        victim = self._least_dense(ranking, evictable)
+        return victim is None or self._density_of(ranking, key) >= self._density_of(ranking, victim)
 
     def on_hit_elsewhere(self, key: bytes, parent: bytes | None) -> None:
         self._end_run()

@@ -90,6 +90,9 @@ class SeparateCandidates:
     def has_resident_children(self, candidate: int, key: bytes) -> bool:
         return self.policies[candidate].has_resident_children(key)
 
+    def admits_demotion(self, candidate: int, key: bytes, evictable: Callable[[bytes], bool]) -> bool:
+        return self.policies[candidate].admits_demotion(key, evictable)
+
 
 class SharedCandidates:
     """Candidates that are the schemes of one ``HitDensityPolicy`` (one record of the tier, each
@@ -111,6 +114,9 @@ class SharedCandidates:
 
     def has_resident_children(self, candidate: int, key: bytes) -> bool:
         return self.policy.has_resident_children(key)
+
+    def admits_demotion(self, candidate: int, key: bytes, evictable: Callable[[bytes], bool]) -> bool:
+        return self.policy.admits_demotion(key, evictable, candidate)
 
 
 class _Miniature:
@@ -258,6 +264,9 @@ class SelectorPolicy(EvictionPolicy):
 
     def has_resident_children(self, key: bytes) -> bool:
         return self._tier.has_resident_children(self._leader, key)
+
+    def admits_demotion(self, key: bytes, evictable: Callable[[bytes], bool]) -> bool:
+        return self._tier.admits_demotion(self._leader, key, evictable)
 
     def _enter(self, key: bytes, parent: bytes | None) -> _Link:
         """``key``'s record, made resident in the tier (made first, with its chain's draw, if new)."""

@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from kvstore.policies import HitDensityPolicy
+from kvstore.policies import HitDensityPolicy, LRUPolicy
 from kvstore.replay import TierSplit, replay
 from kvstore.store import TieredStore
 from kvstore.tiers.accounting import AccountingTier
@@ -102,5 +102,52 @@ def test_each_policy_is_sized_to_its_tiers_share_of_the_blocks_the_store_holds(w
         host, disk = store._policies
         assert host._history_per_resident == pytest.approx(host_keys)
         assert disk._history_per_resident == pytest.approx(disk_keys)
+    finally:
+        store.close()
+
+
+class RefusesDemotions(LRUPolicy):
+    """LRU whose tier admits no demoted block, and notes what it was asked about."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: list[bytes] = []
+
+    def admits_demotion(self, key, evictable) -> bool:
+        self.asked.append(key)
+        return False
+
+
+def test_a_demotion_the_lower_tier_does_not_admit_leaves_the_store(namespace, spec, chain):
+    """The full lower tier is asked about each demoted victim; one it refuses leaves the store and
+    its own blocks stay. A tier with room is not asked."""
+    store = TieredStore([AccountingTier("host", 2 * spec.block_bytes), AccountingTier("disk", spec.block_bytes)],
+                        policy=RefusesDemotions, write_policy="on_eviction", background_writes=False)
+    try:
+        ns_id = store.register_namespace(namespace)
+        a, b, c, d = (chain[i] for i in range(4))
+        for block in (a, b, c):  # c demotes a into the empty disk: nobody asked
+            put_chain(store, ns_id, spec, [block])
+        host, disk = store._policies
+        assert disk.asked == [] and store.tiers[1].contains(ns_id + a)
+        put_chain(store, ns_id, spec, [d])  # d's room: b, the host's victim, is refused by the full disk
+        assert disk.asked == [ns_id + b]
+        assert [store.lookup(ns_id, [h]).hit_blocks for h in (a, b, c, d)] == [1, 0, 1, 1]
+        assert store.tiers[1].contains(ns_id + a) and not store.tiers[1].contains(ns_id + b)
+        store.check_integrity()
+    finally:
+        store.close()
+
+
+def test_a_write_through_copy_is_never_refused(namespace, spec, chain):
+    """Under write-through the lower tier holds a copy of every block: it makes room for each
+    copy as it always has, and is never asked whether to admit one."""
+    store = TieredStore([AccountingTier("host", spec.block_bytes), AccountingTier("disk", spec.block_bytes)],
+                        policy=RefusesDemotions, write_policy="write_through", background_writes=False)
+    try:
+        ns_id = store.register_namespace(namespace)
+        for block in chain[:3]:
+            put_chain(store, ns_id, spec, [block])
+        assert store._policies[1].asked == [] and store.tiers[1].contains(ns_id + chain[2])
     finally:
         store.close()

@@ -255,3 +255,18 @@ def test_a_block_moved_in_is_resident_with_its_history_and_no_new_reference():
     policy.on_move_in(k(2), k(1), 1)
     assert {key: policy.remembered(key) for key in chain} == before and policy._now == clock
     assert len(policy) == 2 and list(policy.victims()) == [k(2)]  # k(1) has a resident child
+
+
+def test_a_demoted_block_is_admitted_only_as_dense_as_the_leaf_it_would_displace():
+    """The room a demotion needs goes to it only if its density reaches the sampled victim's:
+    a block the history does not remember (density 0) is refused where every leaf is worth more,
+    one as dense as the leaves is admitted, and so is any block where no leaf may be evicted."""
+    policy = HitDensityPolicy()
+    for i in range(1, 6):
+        policy.on_insert(k(i), None, 1)  # before the first fit every density is 1.0
+    policy.on_stored_elsewhere(k(50), None, 1)
+    assert not policy.admits_demotion(k(99))  # never referenced: nothing expected of it
+    assert policy.admits_demotion(k(50))
+    assert policy.admits_demotion(k(99), lambda key: False)
+    policy._schemes[0].density_of_fine_class[policy.remembered(k(50))[0]][:] = [0.5] * policy.age_buckets
+    assert not policy.admits_demotion(k(50), lambda key: key != k(50))
