@@ -6,7 +6,11 @@ Failure is loud and leaves nothing running:
 - a replay's exception is raised in the parent, and the other workers are ended;
 - a worker that dies (killed, out of memory) fails the sweep with its exit code;
 - Ctrl-C or SIGTERM of the parent ends every worker. Workers start with SIGINT ignored: a
-  terminal's Ctrl-C reaches the whole process group, and it is the parent's to handle.
+  terminal's Ctrl-C reaches the whole process group, and it is the parent's to handle. The parent
+  ignores SIGINT while it starts them, so they inherit that (a spawned interpreter keeps ignored
+  signals ignored), and a Ctrl-C in that moment is lost: press it again. (Blocking it instead
+  does not hold it for the parent: another thread, such as a BLAS thread of numpy, takes a
+  process-wide signal it does not block, and discards it while it is ignored.)
 
 Workers are spawned (fresh interpreters), so they inherit no lock or thread of the parent. As with
 any spawned process, a script that calls this at import time needs an

@@ -31,6 +31,13 @@ def group_processes(pgid: int) -> list[tuple[int, str, bool]]:
     return found
 
 
+def ignores_sigint(pid: int) -> bool:
+    """Whether process ``pid`` ignores SIGINT (the ``SigIgn`` mask of /proc/PID/status)."""
+    with open(f"/proc/{pid}/status") as f:
+        mask = next(line for line in f if line.startswith("SigIgn:")).split()[1]
+    return bool(int(mask, 16) >> (signal.SIGINT - 1) & 1)
+
+
 def wait_until(condition, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -48,7 +55,9 @@ def agent_trace(tmp_path_factory):
 @pytest.fixture
 def sweep_running(agent_trace):
     """A parallel sweep in its own process group, with SIGINT as a terminal leaves it, once both
-    of its workers run; killed whole at the end whatever the test did."""
+    of its workers run and it has stopped ignoring SIGINT (it ignores it while it starts them, so
+    they inherit that, and a Ctrl-C sent before it stops is lost: under load both workers were
+    seen running while the sweep still ignored it); killed whole at the end whatever the test did."""
     command = [sys.executable, "-m", "kvstore.cli", "replay", agent_trace, "--sweep", "--jobs", "2", "--policies",
                "adaptive", "--capacities", "100k,200k,300k,400k,500k,600k,700k,800k"]
     sweep = subprocess.Popen(command, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -56,7 +65,7 @@ def sweep_running(agent_trace):
                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         running = lambda: sum(worker and state != "Z" for _, state, worker in group_processes(sweep.pid)) == 2  # noqa: E731
-        wait_until(running, 120, "the workers never started")
+        wait_until(lambda: running() and not ignores_sigint(sweep.pid), 120, "the workers never started")
         assert sweep.poll() is None, "the sweep ended before the test acted"
         yield sweep
     finally:
