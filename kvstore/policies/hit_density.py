@@ -41,7 +41,6 @@ Costs: insert, access and remove O(1) amortised; an eviction samples ``samples``
 
 from __future__ import annotations
 
-import functools
 import math
 import random
 from array import array
@@ -50,37 +49,13 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
+from kvstore.policies.age_buckets import age_bucket_floors, small_age_buckets
 from kvstore.policies.base import ChainPolicy, Entry
 
 try:  # the sampling loop in C (kvstore/policies/_sampling.c), built by ``pip install`` where it can be
     from kvstore.policies import _sampling
 except ImportError:  # no C compiler at install time: the same loop in Python (``_sampled_python``)
     _sampling = None
-
-
-@functools.cache
-def _small_age_buckets(per_octave: int, age_buckets: int) -> tuple[int, ...]:
-    """The age bucket of every age below 2**17, shared by all policies of one shape."""
-    return tuple(min(age_buckets - 1, int(per_octave * math.log2(1 + age))) for age in range(1 << 17))
-
-
-@functools.cache
-def _age_bucket_floors(per_octave: int, age_buckets: int) -> tuple[int, ...]:
-    """The least age of every age bucket or a later one: bucket b holds ages from floors[b] up to
-    floors[b + 1] (empty where they are equal). The buckets grow with age, so floors do too."""
-    small = _small_age_buckets(per_octave, age_buckets)
-
-    def bucket(age: int) -> int:
-        return small[age] if age < len(small) else min(age_buckets - 1, int(per_octave * math.log2(1 + age)))
-
-    floors = []
-    for b in range(age_buckets):
-        low, high = (floors[-1] if floors else 0), 1 << 62  # bucket(high) is the last bucket
-        while low < high:
-            middle = (low + high) // 2
-            low, high = (middle + 1, high) if bucket(middle) < b else (low, middle)
-        floors.append(low)
-    return tuple(floors)
 
 
 class _Scheme:
@@ -171,8 +146,8 @@ class HitDensityPolicy(ChainPolicy):
         self._admitting_parent: bytes | None = None  # the parent of the block being stored: never its victim
         self._schemes = [_Scheme(kind, self._fine_classes, seed) for kind in kinds]
         self._widths = [2 ** ((b + 1) / self.per_octave) - 2 ** (b / self.per_octave) for b in range(self.age_buckets)]
-        self._bucket_of_small_age = _small_age_buckets(self.per_octave, self.age_buckets)
-        self._age_bucket_floors = _age_bucket_floors(self.per_octave, self.age_buckets)
+        self._bucket_of_small_age = small_age_buckets(self.per_octave, self.age_buckets)
+        self._age_bucket_floors = age_bucket_floors(self.per_octave, self.age_buckets)
         self._next_reconfigure = self.first_reconfigure
         self._history_per_resident: float = self.history_factor  # keys remembered per resident block (``size_for_store``)
         # _class(uses, False) of a new block and of one referenced again (index: uses, the last for more)
