@@ -40,7 +40,7 @@ class PlacementMixin:
         capacities = [tier.capacity_bytes for tier in self.tiers]
         store = sum(capacities) if write_policy == "on_eviction" else max(capacities)
         for capacity, policy in zip(capacities, policies):
-            policy.size_for_store(min(1.0, capacity / store) if store else 1.0)
+            policy.size_for_store(min(1.0, capacity / store) if capacity > 0 and store > 0 else 1.0)
         return policies
 
     def _put_one(self, key: bytes, view: np.ndarray, meta: BlockMeta) -> str:
