@@ -1,5 +1,5 @@
 """Selector: candidate policies kept side by side; eviction follows the one that would hit most on
-the live workload, judged by miniature simulations over a sample of its chains.
+the live workload, judged by miniature simulations over a sample of its blocks.
 
 Which reuse model ranks blocks best depends on the workload, and a policy cannot tell from its own
 statistics whether its model is the right one: HitDensity's split of reused blocks by use count
@@ -10,13 +10,18 @@ Simulations", USENIX ATC 2017):
 - Every candidate is a full policy told every insert, access and removal of the tier (and the
   store's references other tiers took: ``on_stored_elsewhere``, ``on_hit_elsewhere``), so any of
   them can lead at any moment with a complete view; a change of leader moves nothing.
-  Candidates that can share one record of the tier (HitDensity kinds, see ``adaptive``) are
-  told each event once.
-- One chain in ``sample_one_in`` is sampled, drawn at its head; a block inherits its parent's
-  draw, so a sampled chain is sampled whole, as prefix hits need. (A block whose parent the tier
-  has not seen, such as a tail demoted before its head, draws for itself.)
+  Candidates that can share one record of the tier (HitDensity kinds) are told each event once.
+- One block in ``sample_one_in`` is sampled, drawn from its own key (spatial sampling, as in
+  SHARDS), so a sampled block's references are all seen and the reuse distances scale with the
+  miniature. A miniature sees a *thinned chain*: a sampled block's parent there is its nearest
+  sampled ancestor, so eviction from the chain's tail and prefix hits still hold in it. The
+  selector keeps no record of unsampled blocks outside its tier, so in a lower tier a sampled
+  block stored elsewhere under an unsampled parent it does not know heads its thinned chain.
+  (Drawing
+  once per chain at its head, as before session 24, sampled everything or nothing on workloads
+  whose chains hang under a few shared system prompts.)
 - Each candidate also runs a metadata-only cache of 1/``sample_one_in`` of the tier's capacity
-  (the most blocks the tier has held) over the references to sampled chains, those other tiers
+  (the most blocks the tier has held) over the references to sampled blocks, those other tiers
   took included, so a lower tier's miniatures see the workload, not its demotions. A reference
   to a block the miniature holds is a hit there.
 - Hits are counted with exponential decay, a half-life of ``half_life_fills`` miniature fills,
@@ -38,23 +43,44 @@ from kvstore.policies.hit_density import HitDensityPolicy
 
 
 class _Link:
-    """What the selector remembers of a block: its parent, its chain's draw, tier residency."""
+    """What the selector remembers of a block: its nearest sampled ancestor (its parent in the
+    miniatures' thinned chains, None if none is known), its own draw, tier residency."""
 
-    __slots__ = ("parent", "sampled", "in_tier")
+    __slots__ = ("up", "sampled", "in_tier")
 
-    def __init__(self, parent: bytes | None, sampled: bool) -> None:
-        self.parent, self.sampled, self.in_tier = parent, sampled, False
+    def __init__(self, up: bytes | None, sampled: bool) -> None:
+        self.up, self.sampled, self.in_tier = up, sampled, False
 
 
-class SeparateCandidates:
-    """Candidates as separate policies, each told every event of the tier."""
+class TierCandidates:
+    """The candidates that rank the tier's own blocks, each told every event of the tier.
 
-    def __init__(self, policies: list[EvictionPolicy]) -> None:
-        self.policies = policies
-        self.names = tuple(policy.name for policy in policies)
+    Candidates that can share one record (HitDensity kinds, ``HitDensityPolicy.can_share``) are
+    the schemes of one ``HitDensityPolicy``, told each event once: the same decisions as separate
+    policies, for one policy's upkeep. Every other candidate keeps its own state.
+    """
+
+    def __init__(self, makers: tuple[Callable[[], EvictionPolicy], ...]) -> None:
+        shared = [make for make in makers if HitDensityPolicy.can_share((make,))]
+        if len(shared) < 2 or not HitDensityPolicy.can_share(shared):
+            shared = []
+        record = HitDensityPolicy(schemes=shared) if shared else None  # type: ignore[arg-type]  # checked: classes
+        # candidate i is ranked by owners[i][0], as its scheme owners[i][1] (None: its own ranking)
+        self.owners: list[tuple[EvictionPolicy, int | None]] = [
+            (record, shared.index(make)) if make in shared else (make(), None) for make in makers]
+        self.policies = list({id(policy): policy for policy, _ in self.owners}.values())  # each once
+        self.names = tuple(record.scheme_names[scheme] if scheme is not None else policy.name
+                           for policy, scheme in self.owners)
+        if len(self.policies) == 1:  # every event straight to the one record: no loop per block
+            only = self.policies[0]
+            self.on_insert, self.on_access, self.on_remove = only.on_insert, only.on_access, only.on_remove
+            self.on_stored_elsewhere, self.on_move_in = only.on_stored_elsewhere, only.on_move_in
+            self.on_hit_elsewhere = only.on_hit_elsewhere
 
     def admit(self, key: bytes, parent: bytes | None, nbytes: int) -> list[bool]:
-        return [policy.admit(key, parent, nbytes) for policy in self.policies]  # admission may update state
+        """Each policy's answer, per candidate (every policy is asked: admission may update its state)."""
+        answers = {id(policy): policy.admit(key, parent, nbytes) for policy in self.policies}
+        return [answers[id(policy)] for policy, _ in self.owners]
 
     def on_insert(self, key: bytes, parent: bytes | None, nbytes: int) -> None:
         for policy in self.policies:
@@ -85,42 +111,23 @@ class SeparateCandidates:
             policy.on_hit_elsewhere(key, parent)
 
     def victims(self, candidate: int, evictable: Callable[[bytes], bool]) -> Iterator[bytes]:
-        return self.policies[candidate].victims(evictable)
+        policy, scheme = self.owners[candidate]
+        if scheme is None:
+            return policy.victims(evictable)
+        return policy.victims_of(scheme, evictable)  # type: ignore[attr-defined]  # the shared record
 
     def has_resident_children(self, candidate: int, key: bytes) -> bool:
-        return self.policies[candidate].has_resident_children(key)
+        return self.owners[candidate][0].has_resident_children(key)
 
     def admits_demotion(self, candidate: int, key: bytes, evictable: Callable[[bytes], bool]) -> bool:
-        return self.policies[candidate].admits_demotion(key, evictable)
-
-
-class SharedCandidates:
-    """Candidates that are the schemes of one ``HitDensityPolicy`` (one record of the tier, each
-    event told once): the same decisions as separate policies, for one policy's upkeep."""
-
-    def __init__(self, policy: HitDensityPolicy) -> None:
-        self.policy = policy
-        self.names = policy.scheme_names
-        # every event goes straight to the one record: no frame of this object's own per block
-        self.on_insert, self.on_access, self.on_remove = policy.on_insert, policy.on_access, policy.on_remove
-        self.on_stored_elsewhere, self.on_move_in = policy.on_stored_elsewhere, policy.on_move_in
-        self.on_hit_elsewhere, self.size_for_store = policy.on_hit_elsewhere, policy.size_for_store
-
-    def admit(self, key: bytes, parent: bytes | None, nbytes: int) -> list[bool]:
-        return [self.policy.admit(key, parent, nbytes)] * len(self.names)
-
-    def victims(self, candidate: int, evictable: Callable[[bytes], bool]) -> Iterator[bytes]:
-        return self.policy.victims_of(candidate, evictable)
-
-    def has_resident_children(self, candidate: int, key: bytes) -> bool:
-        return self.policy.has_resident_children(key)
-
-    def admits_demotion(self, candidate: int, key: bytes, evictable: Callable[[bytes], bool]) -> bool:
-        return self.policy.admits_demotion(key, evictable, candidate)
+        policy, scheme = self.owners[candidate]
+        if scheme is None:
+            return policy.admits_demotion(key, evictable)
+        return policy.admits_demotion(key, evictable, scheme)  # type: ignore[call-arg]  # the shared record
 
 
 class _Miniature:
-    """A metadata-only cache run by one candidate over the sampled chains."""
+    """A metadata-only cache run by one candidate over the sampled blocks' thinned chains."""
 
     def __init__(self, policy: EvictionPolicy) -> None:
         self.policy = policy
@@ -166,7 +173,7 @@ class SelectorPolicy(EvictionPolicy):
         makers = candidates if candidates is not None else type(self).candidates
         if len(makers) < 2:
             raise ValueError("a selector needs at least two candidate policies")
-        self._tier = self._tier_candidates(makers)
+        self._tier = TierCandidates(makers)
         self._miniatures = [_Miniature(make()) for make in makers]
         self._leader = 0
         self._seed = seed
@@ -175,11 +182,6 @@ class SelectorPolicy(EvictionPolicy):
         self._most_resident = 0
         self._since_comparison = 0  # sampled references
         self._decay = 0.5 ** (1.0 / self.half_life_fills)
-
-    def _tier_candidates(self, makers: tuple[Callable[[], EvictionPolicy], ...]
-                         ) -> SeparateCandidates | SharedCandidates:
-        """The candidates that rank the tier's own blocks. Subclasses may share their upkeep."""
-        return SeparateCandidates([make() for make in makers])
 
     # ---- what the selector exposes -------------------------------------------------------------
 
@@ -210,7 +212,7 @@ class SelectorPolicy(EvictionPolicy):
         self._tier.on_insert(key, parent, nbytes)
         link = self._enter(key, parent)
         if link.sampled:
-            self._simulate(key, link.parent)
+            self._simulate(key, link.up)
 
     def size_for_store(self, tier_share: float) -> None:
         self._tier.size_for_store(tier_share)  # the miniatures model a tier of their own: their bounds stay
@@ -229,7 +231,7 @@ class SelectorPolicy(EvictionPolicy):
         self._tier.on_access(key)
         link = self._links.get(key)
         if link is not None and link.in_tier and link.sampled:
-            self._simulate(key, link.parent)
+            self._simulate(key, link.up)
 
     def on_hit_elsewhere(self, key: bytes, parent: bytes | None) -> None:
         """A reference of the store's workload: the miniatures serve it as they serve this tier's."""
@@ -240,14 +242,11 @@ class SelectorPolicy(EvictionPolicy):
         """A reference to ``key`` that this tier did not serve or store, for the miniatures."""
         link = self._links.get(key)
         if link is None:
-            # the selector keeps no record of unsampled blocks outside the tier: a block whose
-            # parent it does not know is taken as unsampled, so no chain is sampled in part
-            parent_link = self._links.get(parent) if parent is not None else None
-            if not (parent_link.sampled if parent_link is not None else parent is None and self._draw(key)):
+            if not self._draw(key):
                 return
-            link = self._links[key] = _Link(parent, True)
+            link = self._links[key] = _Link(self._up(parent), True)
         if link.sampled:
-            self._simulate(key, link.parent)
+            self._simulate(key, link.up)
             self._forget_if_unused(key, link)
 
     def on_remove(self, key: bytes) -> None:
@@ -272,7 +271,7 @@ class SelectorPolicy(EvictionPolicy):
         """``key``'s record, made resident in the tier (made first, with its chain's draw, if new)."""
         link = self._links.get(key)
         if link is None:
-            link = self._links[key] = _Link(parent, self._draws(key, parent))
+            link = self._links[key] = _Link(self._up(parent), self._draw(key))
         if not link.in_tier:
             link.in_tier = True
             self._resident += 1
@@ -282,10 +281,14 @@ class SelectorPolicy(EvictionPolicy):
 
     # ---- the miniatures ------------------------------------------------------------------------
 
-    def _draws(self, key: bytes, parent: bytes | None) -> bool:
-        """Whether ``key``'s chain is sampled: its parent's draw where the selector knows the parent."""
-        parent_link = self._links.get(parent) if parent is not None else None
-        return parent_link.sampled if parent_link is not None else self._draw(key)
+    def _up(self, parent: bytes | None) -> bytes | None:
+        """The nearest sampled block at or above ``parent`` that the selector knows, else None."""
+        if parent is None:
+            return None
+        link = self._links.get(parent)
+        if link is None:
+            return None
+        return parent if link.sampled else link.up
 
     def _draw(self, key: bytes) -> bool:
         return zlib.crc32(key, self._seed) % self.sample_one_in == 0

@@ -2,7 +2,8 @@
 
 import pytest
 
-from kvstore.policies import ChainPolicy, Entry, HitDensityPolicy, LRUPolicy, SelectorPolicy
+from kvstore.policies import (ChainPolicy, Entry, HitDensityPolicy, LRUPolicy, PooledHitDensityPolicy, ReuseARCPolicy,
+                              SelectorPolicy)
 from kvstore.policies.adaptive import AdaptivePolicy
 from kvstore.replay import replay
 from kvstore.synthetic_traces import multi_turn_chat
@@ -89,41 +90,94 @@ def test_a_tier_emptied_keeps_no_record_outside_the_miniatures():
     assert selector.tracked_blocks <= 2 * 1500 // selector.sample_one_in
 
 
-def test_adaptive_does_not_lose_to_either_candidate_on_chat():
-    trace = [TraceRequest(r["timestamp"], r["input_length"], r["output_length"], tuple(r["hash_ids"]))
-             for r in multi_turn_chat(seed=1, n_conversations=300, duration_s=600.0)]
+def chat(seed: int, **shape) -> list[TraceRequest]:
+    return [TraceRequest(r["timestamp"], r["input_length"], r["output_length"], tuple(r["hash_ids"]))
+            for r in multi_turn_chat(seed=seed, **shape)]
+
+
+def test_adaptive_does_not_lose_to_any_candidate_on_chat():
+    trace = chat(1, n_conversations=300, duration_s=600.0)
     footprint = len({h for r in trace for h in r.hash_ids}) * 512
     capacity = int(footprint * 0.05)
-    density = replay(trace, capacity, "hit_density", with_optimal=False).hit_tokens
-    pooled = replay(trace, capacity, "hit_density_pooled", with_optimal=False).hit_tokens
+    candidates = {name: replay(trace, capacity, name, with_optimal=False).hit_tokens
+                  for name in ("hit_density", "hit_density_pooled", "reuse_arc")}
     adaptive = replay(trace, capacity, "adaptive", with_optimal=False).hit_tokens
-    assert adaptive >= 0.98 * max(density, pooled), (adaptive, density, pooled)
+    assert adaptive >= 0.98 * max(candidates.values()), (adaptive, candidates)
 
 
-def test_adaptive_with_candidates_that_cannot_share_a_record_keeps_one_each():
-    class Reclassing(HitDensityPolicy):
-        def _class(self, uses: int, tail: bool, run_length: int = 1) -> int:
-            return 0  # every block in one class
-
-    trace = document_among_one_offs(400, document_blocks=16, one_off_blocks=4)
-    for pair in ((HitDensityPolicy, LRUPolicy), (LRUPolicy, Reclassing)):
-        adaptive_hits, adaptive = replay_with(trace, 24, lambda: AdaptivePolicy(pair))
-        selector_hits, selector = replay_with(trace, 24, lambda: SelectorPolicy(pair))
-        assert adaptive_hits == selector_hits > 0 and adaptive.leader == selector.leader
-        assert list(adaptive.miniature_hits()) == [p.name for p in pair]
+def test_adaptive_follows_reuse_arc_where_it_wins_by_far():
+    """A tiny cache over a few system prompts: ReuseARC hits a quarter more than HitDensity here
+    (session 24's generalisation benchmark found such chat workloads), and ``adaptive`` follows."""
+    trace = chat(3, n_conversations=800, duration_s=600.0)
+    hits = {name: replay(trace, 40 * 512, name, with_optimal=False).hit_tokens
+            for name in ("hit_density", "reuse_arc", "adaptive")}
+    assert hits["reuse_arc"] > 1.15 * hits["hit_density"]
+    assert hits["adaptive"] >= 0.95 * hits["reuse_arc"], hits
 
 
-def test_chains_stored_elsewhere_are_sampled_whole_or_not_at_all():
-    """A lower tier hears of chains a faster tier stored. The selector keeps no record of
-    unsampled blocks outside its tier, so a block whose parent it does not know must not draw
-    for itself: its miniatures would see the middle of a chain without its head."""
+def test_candidates_that_share_a_record_decide_as_separate_policies():
+    """HitDensity kinds are told each event once, through one record; other candidates keep their
+    own. Wrapped in lambdas the HitDensity kinds cannot share: the decisions must not change."""
+    trace = chat(2, n_conversations=300, duration_s=600.0)
+    mixed = (HitDensityPolicy, PooledHitDensityPolicy, ReuseARCPolicy)
+    apart = (lambda: HitDensityPolicy(), lambda: PooledHitDensityPolicy(), ReuseARCPolicy)
+    shared_hits, shared = replay_with(trace, 60, lambda: SelectorPolicy(mixed))
+    apart_hits, separate = replay_with(trace, 60, lambda: SelectorPolicy(apart))
+    assert len(shared._tier.policies) == 2 and len(separate._tier.policies) == 3
+    assert shared_hits == apart_hits > 0
+    assert shared.miniature_hits() == separate.miniature_hits()
+    assert list(shared.miniature_hits()) == ["hit_density", "hit_density_pooled", "reuse_arc"]
+
+
+class Recording(LRUPolicy):
+    """LRU that records the parent each block was stored under (the miniatures' thinned chains)."""
+
+    name = "recording"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stored: dict[bytes, bytes | None] = {}
+
+    def on_insert(self, key: bytes, parent: bytes | None, nbytes: int) -> None:
+        self.stored.setdefault(key, parent)
+        super().on_insert(key, parent, nbytes)
+
+
+def test_blocks_under_one_shared_root_are_sampled_one_in_n_with_thinned_chains():
+    """Chains under one shared system prompt: a draw per chain head sampled all of them or none.
+    Each block draws for itself; a sampled block's parent in the miniatures is its nearest
+    sampled ancestor."""
+    selector = SelectorPolicy((Recording, MostRecentFirst))
+    root = k(0)
+    selector.on_insert(root, None, 1)
+    parents = {root: None}
+    for c in range(1, 201):
+        parent = root
+        for b in range(8):
+            key = k(c * 100 + b)
+            selector.on_insert(key, parent, 1)
+            parents[key] = parent
+            parent = key
+    sampled = [key for key in parents if selector._draw(key)]
+    assert 0.15 * len(parents) < len(sampled) < 0.35 * len(parents)
+    in_miniature = selector._miniatures[0].policy.stored
+    for key in sampled:
+        up = parents[key]
+        while up is not None and not selector._draw(up):
+            up = parents[up]
+        assert in_miniature[key] == up
+    assert set(in_miniature) == set(sampled)
+def test_blocks_stored_elsewhere_are_sampled_by_their_own_draw():
+    """A lower tier hears of chains a faster tier stored; it keeps a record of the sampled
+    blocks only, each drawn for itself, and none of the tier's own (it holds none)."""
     policy = AdaptivePolicy()
-    sampled = 0
-    for c in range(400):
+    keys = []
+    for c in range(100):
         chain = [k(c * 10 + b) for b in range(4)]
         for parent, key in zip([None, *chain], chain):
             policy.on_stored_elsewhere(key, parent, 1)
-        held = [key in policy._links for key in chain]  # the miniatures (16 blocks) hold a chain just stored
-        assert held == [policy._draw(chain[0])] * 4
-        sampled += held[0]
-    assert 50 < sampled < 150 and len(policy) == 0
+        keys += chain
+    drawn = {key for key in keys if policy._draw(key)}
+    assert 50 < len(drawn) < 150 and len(policy) == 0
+    held = set().union(*(m.resident for m in policy._miniatures))  # 16 blocks each: the latest drawn
+    assert set(policy._links) == held and held <= drawn and len(held) >= 16
