@@ -7,8 +7,8 @@ The candidates differ in how they model reuse, and each wins on a kind of worklo
 - HitDensity with reused blocks pooled, where the count misleads (documents re-read at random,
   the Mooncake trace);
 - ReuseARC, where recency within two classes (used once, used again) beats learned densities:
-  chat over a few shared system prompts at caches of tens of blocks per prompt, where
-  HitDensity's statistics come from too few reuses.
+  measured on chat over one to five shared system prompts at caches of a few dozen to a few
+  hundred blocks (up to 10 points of the maximum; why HitDensity loses there is not known).
 The two HitDensity kinds share one record of the tier. See ``selector.py`` for how the leader is
 chosen and what it costs, and the README for the measurements behind each candidate.
 """
