@@ -105,6 +105,12 @@ class EvictionPolicy(ABC):
         policy that does not track chains cannot tell)."""
         return False
 
+    def stand_by(self) -> None:
+        """Nobody will ask for ``victims`` until further notice (a selector's candidate that does
+        not lead): the policy may stop keeping its eviction order up to date, provided the next
+        ``victims`` call yields exactly what it would have yielded had it kept it. Every event
+        is still told. Default: nothing."""
+
     @property
     def leader(self) -> str:
         """The name of the policy whose order is in effect: this one (a selector's leading candidate)."""

@@ -49,6 +49,7 @@ class ReuseARCPolicy(ChainPolicy):
         self._ghosts: OrderedDict[bytes, bool] = OrderedDict()  # evicted key -> was protected
         self._target = 0.0  # ARC's p: target number of probation blocks
         self._ghost_sizes = (0, 0)  # ghosts evicted from probation, from protected
+        self._standing_by = False  # the heaps are not kept (``stand_by``)
 
     def priority(self, key: bytes, entry: Entry) -> float:
         return entry.last_access
@@ -91,11 +92,30 @@ class ReuseARCPolicy(ChainPolicy):
             self._ghost_sizes = (n1, n2)
         super().on_remove(key)
 
+    def stand_by(self) -> None:
+        """Stop keeping the two recency heaps (and free them) until ``victims`` is asked again,
+        which rebuilds them from the resident leaves. The rebuilt order is the kept one: items
+        are ordered by last access, which no two blocks share, and each leaf's class is kept
+        all along."""
+        self._standing_by = True
+        self._heap, self._probation = [], []
+
+    def _rebuild(self) -> None:
+        self._standing_by = False
+        for key, entry in self._entries.items():
+            if not entry.children:
+                self._clock += 1
+                entry.version = self._clock
+                heap = self._heap if key in self._protected else self._probation
+                heap.append((self.priority(key, entry), self._clock, key, entry.version))
+        heapq.heapify(self._heap)
+        heapq.heapify(self._probation)
+
     def _queue(self, key: bytes) -> None:
         entry = self._entries[key]
         if self._uses.get(key, 0) >= 2:
             self._protected.add(key)
-        if entry.children:
+        if entry.children or self._standing_by:
             return
         self._clock += 1
         entry.version = self._clock  # unique forever: a re-inserted key never matches its old items
@@ -112,6 +132,8 @@ class ReuseARCPolicy(ChainPolicy):
             setattr(self, name, heap)
 
     def victims(self, evictable: Callable[[bytes], bool] = lambda k: True) -> Iterator[bytes]:
+        if self._standing_by:
+            self._rebuild()
         heaps = (self._heap, self._probation)
         deferred: list[tuple[int, tuple[float, int, bytes, int]]] = []
         exhausted = [False, False]

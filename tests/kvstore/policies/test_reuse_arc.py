@@ -68,3 +68,63 @@ def test_on_a_flood_of_one_off_prompts_the_hot_prefix_survives_where_lru_loses_i
     arc = replay(trace, 12 * 512, "reuse_arc", with_optimal=False)
     assert lru.hit_tokens == 0
     assert arc.hit_tokens >= 45 * 8 * 512  # all but the first few re-reads of the document hit
+
+
+def drive(policies, seed: int, steps: int, capacity: int, on_step=lambda step: None) -> list[bytes]:
+    """The same random chains, re-reads and evictions for every one of ``policies`` (each
+    evicting by its own ``victims``, which must agree); returns the victims in order."""
+    import random
+
+    rng = random.Random(seed)
+    resident: set[bytes] = set()
+    chains: list[list[bytes]] = []
+    evicted: list[bytes] = []
+    next_key = 0
+    for step in range(steps):
+        on_step(step)
+        if chains and rng.random() < 0.5:  # re-read the resident prefix of a known chain
+            for key in rng.choice(chains):
+                if key not in resident:
+                    break
+                for policy in policies:
+                    policy.on_access(key)
+            continue
+        parent = None
+        if chains and rng.random() < 0.3:  # extend a known chain's resident prefix
+            chain = rng.choice(chains)
+            parent = chain[0] if chain[0] in resident else None
+        chain = [parent] if parent is not None else []
+        for _ in range(rng.randint(1, 6)):
+            key = k(next_key)
+            next_key += 1
+            while len(resident) >= capacity:
+                iterators = [policy.victims(lambda v: v != parent) for policy in policies]
+                victims = {next(it) for it in iterators}
+                for it in iterators:
+                    it.close()
+                assert len(victims) == 1, "the policies disagree on the victim"
+                victim = victims.pop()
+                for policy in policies:
+                    policy.on_remove(victim)
+                resident.discard(victim)
+                evicted.append(victim)
+            for policy in policies:
+                policy.on_insert(key, parent, 1)
+            resident.add(key)
+            chain.append(key)
+            parent = key
+        chains.append(chain)
+    return evicted
+
+
+def test_a_policy_that_stood_by_ranks_exactly_as_one_that_kept_its_order():
+    """``stand_by`` drops the heaps; the next ``victims`` rebuilds them. Stood by at random moments
+    (several evictions may pass between), it must pick every victim as a policy that never did."""
+    import random
+
+    kept, lazy = ReuseARCPolicy(), ReuseARCPolicy()
+    rng = random.Random(7)
+    victims = drive([kept, lazy], seed=3, steps=3000, capacity=60,
+                    on_step=lambda step: lazy.stand_by() if rng.random() < 0.2 else None)
+    assert len(victims) > 1000
+    assert list(kept.victims()) == list(lazy.victims())
