@@ -79,10 +79,16 @@ class TierCandidates:
             self.on_stored_elsewhere, self.on_move_in = only.on_stored_elsewhere, only.on_move_in
             self.on_hit_elsewhere = only.on_hit_elsewhere
 
-    def admit(self, key: bytes, parent: bytes | None, nbytes: int) -> list[bool]:
-        """Each policy's answer, per candidate (every policy is asked: admission may update its state)."""
-        answers = {id(policy): policy.admit(key, parent, nbytes) for policy in self.policies}
-        return [answers[id(policy)] for policy, _ in self.owners]
+    def admit(self, candidate: int, key: bytes, parent: bytes | None, nbytes: int) -> bool:
+        """The answer of the policy that ranks ``candidate``; every policy is asked (admission may
+        update its state)."""
+        ranking = self.owners[candidate][0]
+        answer = True
+        for policy in self.policies:
+            admitted = policy.admit(key, parent, nbytes)
+            if policy is ranking:
+                answer = admitted
+        return answer
 
     def on_insert(self, key: bytes, parent: bytes | None, nbytes: int) -> None:
         for policy in self.policies:
@@ -218,7 +224,7 @@ class SelectorPolicy(EvictionPolicy):
 
     def admit(self, key: bytes, parent: bytes | None, nbytes: int) -> bool:
         """Every candidate is asked (admission may update its state); the leader's answer holds."""
-        return self._tier.admit(key, parent, nbytes)[self._leader]
+        return self._tier.admit(self._leader, key, parent, nbytes)
 
     def on_insert(self, key: bytes, parent: bytes | None, nbytes: int) -> None:
         self._tier.on_insert(key, parent, nbytes)

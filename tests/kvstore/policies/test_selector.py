@@ -68,6 +68,28 @@ def test_on_a_re_read_document_among_one_offs_it_follows_lru(order):
     assert selected >= 0.9 * lru
 
 
+class Refusing(LRUPolicy):
+    """LRU that admits nothing and counts how often it was asked."""
+
+    name = "refusing"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked = 0
+
+    def admit(self, key: bytes, parent: bytes | None, nbytes: int) -> bool:
+        self.asked += 1
+        return False
+
+
+@pytest.mark.parametrize("order, admitted", [((Refusing, LRUPolicy), False), ((LRUPolicy, Refusing), True)])
+def test_admission_is_the_leaders_and_every_candidate_is_asked(order, admitted):
+    selector = SelectorPolicy(order)
+    refusing = next(policy for policy in selector._tier.policies if isinstance(policy, Refusing))
+    assert [selector.admit(k(i), None, 1) for i in range(3)] == [admitted] * 3
+    assert refusing.asked == 3
+
+
 def test_it_needs_two_candidates():
     with pytest.raises(ValueError, match="two candidate"):
         SelectorPolicy((LRUPolicy,))
