@@ -8,7 +8,7 @@ The candidates differ in how they model reuse, and each wins on a kind of worklo
   the Mooncake trace);
 - ReuseARC, where recency within two classes (used once, used again) beats learned densities:
   measured on chat over one to five shared system prompts at caches of a few dozen to a few
-  hundred blocks (up to 10 points of the maximum; why HitDensity loses there is not known).
+  hundred blocks (up to 12.6 points of the maximum; why HitDensity loses there is not known).
 The two HitDensity kinds share one record of the tier. See ``selector.py`` for how the leader is
 chosen and what it costs, and the README for the measurements behind each candidate.
 """

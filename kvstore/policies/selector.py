@@ -19,9 +19,8 @@ Simulations", USENIX ATC 2017):
   sampled ancestor, so eviction from the chain's tail and prefix hits still hold in it. The
   selector keeps no record of unsampled blocks outside its tier, so in a lower tier a sampled
   block stored elsewhere under an unsampled parent it does not know heads its thinned chain.
-  (Drawing
-  once per chain at its head, as before session 24, sampled everything or nothing on workloads
-  whose chains hang under a few shared system prompts.)
+  (Drawing once per chain at its head, as before session 24, sampled everything or nothing on
+  workloads whose chains hang under a few shared system prompts.)
 - Each candidate also runs a metadata-only cache of 1/``sample_one_in`` of the tier's capacity
   (the most blocks the tier has held) over the references to sampled blocks, those other tiers
   took included, so a lower tier's miniatures see the workload, not its demotions. A reference
@@ -286,7 +285,8 @@ class SelectorPolicy(EvictionPolicy):
         return self._tier.admits_demotion(self._leader, key, evictable)
 
     def _enter(self, key: bytes, parent: bytes | None) -> _Link:
-        """``key``'s record, made resident in the tier (made first, with its chain's draw, if new)."""
+        """``key``'s record, made resident in the tier (made first, with its own draw and its nearest
+        sampled ancestor, if new)."""
         link = self._links.get(key)
         if link is None:
             link = self._links[key] = _Link(self._up(parent), self._draw(key))
