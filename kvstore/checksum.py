@@ -41,7 +41,8 @@ def checksums_ahead(payloads: Sequence[np.ndarray], num_layers: int, executor: E
     payload, or for payloads under ``min_offload_bytes`` (the first one's size decides).
     Closing the iterator early waits for nothing and cancels what has not started."""
     if executor is None or len(payloads) < 2 or payloads[0].nbytes < min_offload_bytes:
-        yield from (layer_checksums(p, num_layers) for p in payloads)
+        for payload in payloads:  # a plain loop: one generator per block, not two
+            yield layer_checksums(payload, num_layers)
         return
     pending: list[Future] = []
     try:

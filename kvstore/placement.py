@@ -60,8 +60,9 @@ class PlacementMixin:
                 if self._policies[t].admit(key, meta.parent, meta.nbytes) and self._place(t, key, view, meta):
                     if t:
                         self._bypass(range(t), key, meta)
-                    self._tell_slower_tiers(t, key, meta)
-                    self._write_through(key, t, meta)
+                    if t + 1 < len(self.tiers):  # the checks of both, here: this runs for every block stored
+                        self._tell_slower_tiers(t, key, meta)
+                        self._write_through(key, t, meta)
                     return "stored"
             self._bypass(range(len(self.tiers)), key, meta)
             return "rejected"

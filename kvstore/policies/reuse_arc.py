@@ -56,8 +56,7 @@ class ReuseARCPolicy(ChainPolicy):
 
     def _count(self, key: bytes) -> None:
         uses = self._uses
-        uses[key] = uses.get(key, 0) + 1
-        uses.move_to_end(key)  # now the newest
+        uses[key] = uses.pop(key, 0) + 1  # now the newest
         limit = self.history_factor * len(self._entries) + 1024
         while len(uses) > limit:
             uses.popitem(last=False)
@@ -82,12 +81,15 @@ class ReuseARCPolicy(ChainPolicy):
     def on_remove(self, key: bytes) -> None:
         if key in self._entries:
             protected = key in self._protected
-            self._protected.discard(key)
-            self._ghosts[key] = protected
+            if protected:
+                self._protected.remove(key)
+            ghosts = self._ghosts
+            ghosts[key] = protected
             n1, n2 = self._ghost_sizes
             n1, n2 = (n1, n2 + 1) if protected else (n1 + 1, n2)
-            while len(self._ghosts) > max(len(self._entries), 1):
-                _, old = self._ghosts.popitem(last=False)
+            limit = max(len(self._entries), 1)
+            while len(ghosts) > limit:
+                _, old = ghosts.popitem(last=False)
                 n1, n2 = (n1, n2 - 1) if old else (n1 - 1, n2)
             self._ghost_sizes = (n1, n2)
         super().on_remove(key)

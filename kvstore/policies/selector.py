@@ -332,7 +332,8 @@ class SelectorPolicy(EvictionPolicy):
     def _forget_if_unused(self, key: bytes, link: _Link) -> None:
         if link.in_tier:
             return
-        for miniature in self._miniatures:  # a loop, not any(): this runs for most blocks removed
-            if key in miniature.resident:
-                return
+        if link.sampled:  # only sampled blocks enter the miniatures
+            for miniature in self._miniatures:  # a loop, not any(): this runs for many blocks removed
+                if key in miniature.resident:
+                    return
         del self._links[key]

@@ -85,6 +85,8 @@ class AccountingTier(Tier):
             self._taken -= meta.nbytes
             return True
 
+    discard = remove  # no I/O to defer (``Tier.discard``): the store calls it for every eviction
+
     def check_integrity(self) -> None:
         with self._lock:
             assert self._used == sum(m.nbytes for m in self._blocks.values()), "used bytes disagree with blocks"
