@@ -79,13 +79,18 @@ def belady_hits(requests: Sequence[TraceRequest], capacity_blocks: int, block_to
 
 def infinite_hit_tokens(requests: Sequence[TraceRequest], block_tokens: int) -> int:
     """Token hits with unlimited capacity: the most any policy can reach."""
+    return sum(infinite_hits_per_request(requests, block_tokens))
+
+
+def infinite_hits_per_request(requests: Sequence[TraceRequest], block_tokens: int) -> list[int]:
+    """Each request's token hits with unlimited capacity, every earlier request seen."""
     seen: set[int] = set()
-    hit_tokens = 0
+    hit_tokens = []
     for request in requests:
         ids = request.hash_ids
         hits = 0
         while hits < len(ids) and ids[hits] in seen:
             hits += 1
-        hit_tokens += sum(request.block_tokens(j, block_tokens) for j in range(hits))
+        hit_tokens.append(sum(request.block_tokens(j, block_tokens) for j in range(hits)))
         seen.update(ids)
     return hit_tokens

@@ -161,7 +161,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         jobs = args.jobs if args.jobs is not None else usable_cpus()
         results = sweep(requests, capacities, policies, jobs=jobs, **options)
     else:
-        results = [replay(requests, capacities[0], args.policy, **options)]
+        results = [replay(requests, capacities[0], args.policy, windows=args.windows or 0, **options)]
     dicts = [{**with_bytes(r.as_dict(), args.model), **trace_fields(trace)} for r in results]
     if args.json:
         print(json.dumps(dicts if args.sweep else dicts[0], indent=2))
@@ -199,8 +199,12 @@ def _check_replay_flags(args: argparse.Namespace) -> None:
         raise InvalidRequest(f"--jobs must be at least 1, got {args.jobs}")
     if args.block_tokens <= 0:
         raise InvalidRequest(f"--block-tokens must be positive, got {args.block_tokens}")
+    if args.windows is not None and args.windows < 1:
+        raise InvalidRequest(f"--windows must be at least 1, got {args.windows}")
     if args.sweep and args.capacity_tokens is not None:
         raise InvalidRequest("--capacity-tokens is for one replay; with --sweep give --capacities (e.g. 1M,2M,4M)")
+    if args.sweep and args.windows is not None:
+        raise InvalidRequest("--windows is for one replay: drop --sweep, or give --capacity-tokens and no --sweep")
     if not args.sweep and not args.capacity_tokens:
         raise InvalidRequest("give --capacity-tokens N (e.g. 3M), or --sweep for a range of capacities")
     given = [f"--{name}" for name in SWEEP_FLAGS if getattr(args, name) is not None]
@@ -299,6 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--plot", help="with --sweep: write the hit-rate curve to this file (.png, .svg, .pdf, ...)")
     rep.add_argument("--jobs", type=int, help="with --sweep: replays run at once, one process each "
                      "(default: one per CPU this process may use)")
+    rep.add_argument("--windows", type=int, help="also the hit rate of this many stretches of the trace, of "
+                                                 "equal request counts (warm-up against steady state)")
     rep.add_argument("--json", action="store_true", help="print JSON")
     rep.set_defaults(func=_cmd_replay)
 

@@ -17,17 +17,18 @@ every policy, and the optimum, reaches a maximum of nothing.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from decimal import Decimal
 from fractions import Fraction
 from typing import Callable, Sequence
 
 import numpy as np
 
-from kvstore.belady import infinite_hit_tokens, optimal_hit_tokens
+from kvstore.belady import infinite_hits_per_request, optimal_hit_tokens
 from kvstore.errors import InvalidRequest
 from kvstore.keys import Namespace
 from kvstore.policies import DEFAULT_POLICY
+from kvstore.replay_windows import ReplayWindow, check_window_count, split_windows
 from kvstore.replay_workers import replay_in_processes
 from kvstore.layout import BlockSpec
 from kvstore.store import TieredStore
@@ -87,6 +88,7 @@ class ReplayResult:
     write_policy: str
     elapsed_s: float
     extra: dict = field(default_factory=dict)
+    windows: tuple[ReplayWindow, ...] = ()  # the trace cut into stretches (``replay(windows=N)``)
 
     @property
     def hit_rate(self) -> float:
@@ -112,6 +114,7 @@ class ReplayResult:
 
     def as_dict(self) -> dict:
         out = asdict(self)
+        out["windows"] = [window.as_dict() for window in self.windows]
         out.update(hit_rate=self.hit_rate, max_hit_rate=self.max_hit_rate, fraction_of_max=self.fraction_of_max,
                    optimal_hit_rate=self.optimal_hit_rate, optimal_fraction_of_max=self.optimal_fraction_of_max)
         return out
@@ -131,10 +134,14 @@ def replay(
     block_tokens: int = 512,
     with_optimal: bool = True,
     progress: Callable[[int], None] | None = None,
+    windows: int = 0,
 ) -> ReplayResult:
     """Replay ``requests``, in the order given, through a store of ``capacity_tokens`` split over
-    ``tiers``; ``InvalidRequest`` if ``tier_slots`` refuses the capacity."""
+    ``tiers``; ``InvalidRequest`` if ``tier_slots`` refuses the capacity. ``windows`` > 0 also
+    reports the hit rate of that many stretches of the trace (``kvstore.replay_windows``)."""
     slots = tier_slots(capacity_tokens, tiers, block_tokens)
+    if windows:
+        check_window_count(windows, len(requests))
     namespace = Namespace("replay", "trace", 1, _COMPONENTS, block_size=_BLOCK_SIZE)
     spec = BlockSpec.of(namespace)
     store = TieredStore([AccountingTier(name, n * spec.block_bytes) for name, n in slots.items()],
@@ -142,24 +149,26 @@ def replay(
     started = time.perf_counter()
     try:
         ns_id = store.register_namespace(namespace)
-        hit_tokens, tier_hits = _serve_all(store, ns_id, spec, requests, block_tokens, progress)
+        hits, tier_hits = _serve_all(store, ns_id, spec, requests, block_tokens, progress)
         store.check_integrity()
     finally:
         store.close()
     elapsed = time.perf_counter() - started
     total_slots = sum(slots.values())
+    max_hits = infinite_hits_per_request(requests, block_tokens)
     return ReplayResult(
         policy=store.policy_name,
         capacity_tokens=capacity_tokens,
         requests=len(requests),
         input_tokens=sum(r.input_length for r in requests),
-        hit_tokens=hit_tokens,
-        max_hit_tokens=infinite_hit_tokens(requests, block_tokens),
+        hit_tokens=sum(hits),
+        max_hit_tokens=sum(max_hits),
         optimal_hit_tokens=optimal_hit_tokens(requests, total_slots, block_tokens) if with_optimal else None,
         tier_hit_tokens=tier_hits,
         tier_capacity_tokens={name: n * block_tokens for name, n in slots.items()},
         write_policy=write_policy,
         elapsed_s=elapsed,
+        windows=tuple(split_windows(requests, hits, max_hits, windows)) if windows else (),
     )
 
 
@@ -186,20 +195,23 @@ def tier_slots(capacity_tokens: int, tiers: TierSplit, block_tokens: int) -> dic
 
 
 def _serve_all(store: TieredStore, ns_id: bytes, spec: BlockSpec, requests: Sequence[TraceRequest],
-               block_tokens: int, progress: Callable[[int], None] | None) -> tuple[int, dict[str, int]]:
+               block_tokens: int, progress: Callable[[int], None] | None) -> tuple[list[int], dict[str, int]]:
+    """Serve every request; each one's hit tokens, and the hit tokens of each tier."""
     scratch = np.zeros(spec.block_bytes, np.uint8)  # accounting tiers neither read nor write it
     tier_hits = {tier.name: 0 for tier in store.tiers}
-    hit_tokens = 0
+    hits = []
     for number, request in enumerate(requests, 1):
         hashes = [h.to_bytes(16, "little") for h in request.hash_ids]  # a trace id as a store block hash
         hit = store.lookup(ns_id, hashes, lease_ttl_s=LEASE_TTL_S)  # as an engine's connector does
         found = hit.hit_blocks
         loaded = store.load(ns_id, hashes[:found], [scratch] * found, lease_id=hit.lease_id) if found else None
         served = loaded.tiers if loaded else ()
+        hit_tokens = 0
         for index, tier in enumerate(served):
             tokens = request.block_tokens(index, block_tokens)
             tier_hits[tier] += tokens
             hit_tokens += tokens
+        hits.append(hit_tokens)
         done = len(served)
         if done < len(hashes):
             parent = hashes[done - 1] if done else None
@@ -208,7 +220,7 @@ def _serve_all(store: TieredStore, ns_id: bytes, spec: BlockSpec, requests: Sequ
             progress(256)
     if progress:
         progress(len(requests) % 256)
-    return hit_tokens, tier_hits
+    return hits, tier_hits
 
 
 def sweep(requests: Sequence[TraceRequest], capacities: Sequence[int], policies: Sequence[str],
@@ -240,9 +252,7 @@ def sweep(requests: Sequence[TraceRequest], capacities: Sequence[int], policies:
 
 
 def _with_optimal(result: ReplayResult, optimal: int) -> ReplayResult:
-    fields = asdict(result)
-    fields["optimal_hit_tokens"] = optimal
-    return ReplayResult(**fields)
+    return replace(result, optimal_hit_tokens=optimal)
 
 
 def default_capacities(requests: Sequence[TraceRequest], block_tokens: int = 512) -> list[int]:

@@ -10,6 +10,7 @@ from typing import Sequence
 
 from kvstore.errors import InvalidRequest
 from kvstore.replay import ReplayResult
+from kvstore.replay_windows import ReplayWindow
 from kvstore.sizing import bytes_per_token, format_bytes, smallest_capacity_reaching
 from kvstore.trace import Trace
 
@@ -69,7 +70,25 @@ def format_summary(result: ReplayResult, trace: str, model: str | None = None) -
                      f"({result.optimal_fraction_of_max:.2%} of max)")
     lines.append("  hits by tier: " + ", ".join(f"{n} {tokens(t)} tokens" for n, t in result.tier_hit_tokens.items()))
     lines.append(f"  replayed in {result.elapsed_s:.1f} s")
+    if result.windows:
+        lines.extend(format_windows(result.windows))
     return "\n".join(lines)
+
+
+def format_windows(windows: Sequence[ReplayWindow]) -> list[str]:
+    """One row per stretch of the trace: its requests, timestamps, hit rate and share of its maximum."""
+    lines = [f"by stretch of the trace ({len(windows)} of equal request counts):",
+             f"  {'requests':>15}  {'timestamps':>23}  {'hit rate':>8}  {'max':>7}  {'of max':>7}"]
+    for w in windows:
+        span = f"{w.first_request}-{w.first_request + w.requests - 1}"
+        stamps = f"{_stamp(w.first_timestamp)}-{_stamp(w.last_timestamp)}"
+        lines.append(f"  {span:>15}  {stamps:>23}  {w.hit_rate:8.2%}  {w.max_hit_rate:7.2%}  {w.fraction_of_max:7.2%}")
+    return lines
+
+
+def _stamp(timestamp: float) -> str:
+    """A trace timestamp as written: whole numbers without a fraction (``1022020``, not ``1.02e+06``)."""
+    return f"{timestamp:.0f}" if float(timestamp).is_integer() else f"{timestamp:.3f}"
 
 
 def _capacity_line(result: ReplayResult, model: str | None) -> str:

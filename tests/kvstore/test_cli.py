@@ -115,11 +115,29 @@ def run_main(capsys, *args):
     (("--jobs", "2"), "--jobs: only with --sweep"),
     (("--sweep", "--jobs", "0"), "--jobs must be at least 1, got 0"),
     (("--sweep",), "--capacity-tokens is for one replay; with --sweep give --capacities"),
+    (("--windows", "0"), "--windows must be at least 1, got 0"),
+    (("--windows", "7"), "--windows 7: the trace holds only 6 requests, so give at most 6 windows"),
 ])
 def test_replay_refuses_flags_it_would_ignore_or_misread(capsys, trace, args, message):
     code, out, err = run_main(capsys, "replay", trace, "--capacity-tokens", "3k", *args)
     assert (code, out) == (2, "") and err.startswith("kvstore replay: ") and err.count("\n") == 1
     assert message in err
+
+
+def test_windows_are_for_one_replay(capsys, trace):
+    code, out, err = run_main(capsys, "replay", trace, "--sweep", "--capacities", "3k", "--windows", "2")
+    assert (code, out) == (2, "") and "--windows is for one replay" in err
+
+
+def test_replay_shows_the_hit_rate_of_each_stretch_of_the_trace(capsys, trace):
+    code, out, err = run_main(capsys, "replay", trace, "--capacity-tokens", "4k", "--windows", "2")
+    assert code == 0, err
+    table = out[out.index("by stretch of the trace (2 of equal request counts):"):].splitlines()
+    assert table[2].split()[:2] == ["0-2", "3-5"] and table[3].split()[:2] == ["3-5", "6-8"]  # requests, timestamps
+    code, out, err = run_main(capsys, "replay", trace, "--capacity-tokens", "4k", "--windows", "2", "--json")
+    result = json.loads(out)
+    assert [w["requests"] for w in result["windows"]] == [3, 3]
+    assert sum(w["hit_tokens"] for w in result["windows"]) == result["hit_tokens"] > 0
 
 
 def test_replay_accepts_the_store_tiers_fastest_first(capsys, trace):

@@ -1,0 +1,56 @@
+"""The hit rate along the trace: windows of equal request counts that add up to the whole replay."""
+
+import pytest
+
+from kvstore.errors import InvalidRequest
+from kvstore.replay import replay
+from kvstore.replay_windows import split_windows
+from kvstore.trace import TraceRequest
+
+B = 512
+
+
+def req(t, *ids, tokens=None):
+    return TraceRequest(float(t), tokens if tokens is not None else B * len(ids), 0, tuple(ids))
+
+
+def test_windows_cut_the_requests_evenly_the_larger_ones_last_and_keep_their_timestamps():
+    trace = [req(10 * i, i) for i in range(7)]
+    windows = split_windows(trace, [1] * 7, [2] * 7, 3)
+    assert [(w.first_request, w.requests) for w in windows] == [(0, 2), (2, 2), (4, 3)]
+    assert [(w.first_timestamp, w.last_timestamp) for w in windows] == [(0, 10), (20, 30), (40, 60)]
+    assert [(w.hit_tokens, w.max_hit_tokens, w.input_tokens) for w in windows] == [(2, 4, 2 * B), (2, 4, 2 * B),
+                                                                                     (3, 6, 3 * B)]
+    assert windows[2].fraction_of_max == 0.5
+
+
+@pytest.mark.parametrize("count, message", [(0, "--windows must be at least 1, got 0"),
+                                            (-1, "--windows must be at least 1, got -1"),
+                                            (4, "the trace holds only 3 requests, so give at most 3 windows")])
+def test_a_window_count_no_trace_can_fill_is_refused(count, message):
+    trace = [req(i, i) for i in range(3)]
+    with pytest.raises(InvalidRequest, match=message):
+        split_windows(trace, [0] * 3, [0] * 3, count)
+    if count:  # replay(windows=0) is a replay without windows
+        with pytest.raises(InvalidRequest, match=message):
+            replay(trace, capacity_tokens=4 * B, windows=count)
+
+
+def test_a_replay_s_windows_add_up_to_it_and_show_the_cold_start():
+    """Four distinct prompts, then each sent again, newest first: the first half can hit nothing
+    (its maximum is 0, so all of it is kept); in the second half LRU's 4 slots hold the last two."""
+    first = [req(i, 10 * i, 10 * i + 1) for i in range(4)]
+    trace = first + [req(4 + i, *r.hash_ids) for i, r in enumerate(reversed(first))]
+    result = replay(trace, capacity_tokens=4 * B, policy="lru", windows=2)
+    cold, warm = result.windows
+    assert (cold.hit_tokens, cold.max_hit_tokens, cold.fraction_of_max) == (0, 0, 1.0)
+    assert (warm.hit_tokens, warm.max_hit_tokens, warm.fraction_of_max) == (4 * B, 8 * B, 0.5)
+    assert sum(w.hit_tokens for w in result.windows) == result.hit_tokens
+    assert sum(w.max_hit_tokens for w in result.windows) == result.max_hit_tokens
+    assert sum(w.input_tokens for w in result.windows) == result.input_tokens
+    assert [w["fraction_of_max"] for w in result.as_dict()["windows"]] == [1.0, warm.fraction_of_max]
+
+
+def test_a_replay_without_windows_reports_none():
+    result = replay([req(0, 1), req(1, 1)], capacity_tokens=2 * B)
+    assert result.windows == () and result.as_dict()["windows"] == []
