@@ -8,6 +8,8 @@ CDN-backed Swagger UI or ReDoc, and no response lets the browser send the URL on
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 from fastapi.testclient import TestClient
 
@@ -55,8 +57,19 @@ def test_the_token_is_taken_from_the_header_only(store):
 
 
 def test_the_schema_is_at_openapi_json_and_documents_the_api(store):
-    schema = http_client(store, TOKEN).get("/openapi.json", headers=BEARER).json()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # FastAPI warns of duplicate operation ids while it builds the schema
+        schema = http_client(store, TOKEN).get("/openapi.json", headers=BEARER).json()
     assert set(schema["paths"]) == {*API, "/healthz"}
+    ids = [op["operationId"] for path in schema["paths"].values() for op in path.values()]
+    assert len(ids) == len(set(ids)), ids
+    assert list(schema["paths"]["/healthz"]) == ["get"]
+
+
+def test_healthz_answers_get_and_head(store):
+    client = http_client(store, TOKEN)
+    assert (client.get("/healthz").status_code, client.get("/healthz").text) == (200, "ok")
+    assert client.head("/healthz").status_code == 200
 
 
 @pytest.mark.parametrize("token", [TOKEN, None])
