@@ -9,7 +9,7 @@ request seen), the policy kept.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Sequence
 
 from kvstore.errors import InvalidRequest
@@ -42,7 +42,7 @@ class ReplayWindow:
         return self.hit_tokens / self.max_hit_tokens if self.max_hit_tokens else 1.0
 
     def as_dict(self) -> dict:
-        return {**self.__dict__, "hit_rate": self.hit_rate, "max_hit_rate": self.max_hit_rate,
+        return {**asdict(self), "hit_rate": self.hit_rate, "max_hit_rate": self.max_hit_rate,
                 "fraction_of_max": self.fraction_of_max}
 
 
