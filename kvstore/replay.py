@@ -26,6 +26,7 @@ import numpy as np
 
 from kvstore.belady import infinite_hits_per_request, optimal_hit_tokens
 from kvstore.errors import InvalidRequest
+from kvstore.hit_rates import TokenHitRates, fraction
 from kvstore.keys import Namespace
 from kvstore.policies import DEFAULT_POLICY
 from kvstore.replay_windows import ReplayWindow, check_window_count, split_windows
@@ -75,7 +76,7 @@ class TierSplit:
 
 
 @dataclass(frozen=True)
-class ReplayResult:
+class ReplayResult(TokenHitRates):
     policy: str
     capacity_tokens: int
     requests: int
@@ -91,22 +92,9 @@ class ReplayResult:
     windows: tuple[ReplayWindow, ...] = ()  # the trace cut into stretches (``replay(windows=N)``)
 
     @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / max(self.input_tokens, 1)
-
-    @property
-    def max_hit_rate(self) -> float:
-        return self.max_hit_tokens / max(self.input_tokens, 1)
-
-    @property
-    def fraction_of_max(self) -> float:
-        """Hit tokens over the maximum's; 1.0 when the maximum is 0."""
-        return _fraction(self.hit_tokens, self.max_hit_tokens)
-
-    @property
     def optimal_fraction_of_max(self) -> float | None:
         """Belady's bound over the maximum; 1.0 when the maximum is 0, None without the bound."""
-        return None if self.optimal_hit_tokens is None else _fraction(self.optimal_hit_tokens, self.max_hit_tokens)
+        return None if self.optimal_hit_tokens is None else fraction(self.optimal_hit_tokens, self.max_hit_tokens)
 
     @property
     def optimal_hit_rate(self) -> float | None:
@@ -118,11 +106,6 @@ class ReplayResult:
         out.update(hit_rate=self.hit_rate, max_hit_rate=self.max_hit_rate, fraction_of_max=self.fraction_of_max,
                    optimal_hit_rate=self.optimal_hit_rate, optimal_fraction_of_max=self.optimal_fraction_of_max)
         return out
-
-
-def _fraction(part: int, maximum: int) -> float:
-    """``part`` of ``maximum``, 1.0 when ``maximum`` is 0 (all of nothing is reached)."""
-    return part / maximum if maximum else 1.0
 
 
 def replay(

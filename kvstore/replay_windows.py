@@ -13,11 +13,12 @@ from dataclasses import asdict, dataclass
 from typing import Sequence
 
 from kvstore.errors import InvalidRequest
+from kvstore.hit_rates import TokenHitRates
 from kvstore.trace import TraceRequest
 
 
 @dataclass(frozen=True)
-class ReplayWindow:
+class ReplayWindow(TokenHitRates):
     """Requests ``first_request`` to ``first_request + requests - 1`` (replay order, from 0)."""
 
     first_request: int
@@ -27,19 +28,6 @@ class ReplayWindow:
     input_tokens: int
     hit_tokens: int
     max_hit_tokens: int
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / max(self.input_tokens, 1)
-
-    @property
-    def max_hit_rate(self) -> float:
-        return self.max_hit_tokens / max(self.input_tokens, 1)
-
-    @property
-    def fraction_of_max(self) -> float:
-        """Hit tokens over the window's maximum; 1.0 when that is 0 (all of nothing)."""
-        return self.hit_tokens / self.max_hit_tokens if self.max_hit_tokens else 1.0
 
     def as_dict(self) -> dict:
         return {**asdict(self), "hit_rate": self.hit_rate, "max_hit_rate": self.max_hit_rate,
