@@ -45,22 +45,35 @@ def optimal_hit_tokens(requests: Sequence[TraceRequest], capacity_blocks: int, b
     """An upper bound on the token hits of any policy at ``capacity_blocks`` slots (one block per
     slot): Belady's block hits at ``block_tokens`` each, at most the infinite-capacity maximum."""
     blocks, _ = belady_hits(requests, capacity_blocks, block_tokens)
-    return min(blocks * block_tokens, infinite_hit_tokens(requests, block_tokens))
+    return bound_of(blocks, block_tokens, infinite_hit_tokens(requests, block_tokens))
+
+
+def bound_of(hit_blocks: int, block_tokens: int, max_hit_tokens: int) -> int:
+    """``optimal_hit_tokens`` from Belady's block hits and the infinite-capacity maximum."""
+    return min(hit_blocks * block_tokens, max_hit_tokens)
 
 
 def belady_hits(requests: Sequence[TraceRequest], capacity_blocks: int, block_tokens: int) -> tuple[int, int]:
     """(block hits, token hits) of Belady with bypass at ``capacity_blocks`` slots."""
+    blocks, tokens = belady_schedule(requests, capacity_blocks, block_tokens)
+    return blocks, sum(tokens)
+
+
+def belady_schedule(requests: Sequence[TraceRequest], capacity_blocks: int,
+                    block_tokens: int) -> tuple[int, list[int]]:
+    """Belady with bypass at ``capacity_blocks`` slots: its block hits, and each request's token hits."""
     future = next_uses(requests)
     resident: dict[int, tuple[float, int]] = {}  # block id -> (next use, depth)
     heap: list[tuple[float, int, int]] = []  # (-next use, -depth, id): furthest, deepest first
-    hit_blocks = hit_tokens = 0
+    hit_blocks = 0
+    hit_tokens = []
     for request, uses in zip(requests, future):
         ids = request.hash_ids
         hits = 0
         while hits < len(ids) and ids[hits] in resident:
             hits += 1
         hit_blocks += hits
-        hit_tokens += sum(request.block_tokens(j, block_tokens) for j in range(hits))
+        hit_tokens.append(sum(request.block_tokens(j, block_tokens) for j in range(hits)))
         for depth, (block, use) in enumerate(zip(ids, uses)):
             if use == NEVER:
                 resident.pop(block, None)  # never needed again: free its slot now

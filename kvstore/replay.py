@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from kvstore.belady import infinite_hits_per_request, optimal_hit_tokens
+from kvstore.belady import belady_schedule, bound_of, infinite_hits_per_request
 from kvstore.errors import InvalidRequest
 from kvstore.hit_rates import TokenHitRates, fraction
 from kvstore.keys import Namespace
@@ -139,6 +139,10 @@ def replay(
     elapsed = time.perf_counter() - started
     total_slots = sum(slots.values())
     max_hits = infinite_hits_per_request(requests, block_tokens)
+    optimal = schedule = None
+    if with_optimal:
+        optimal_blocks, schedule = belady_schedule(requests, total_slots, block_tokens)
+        optimal = bound_of(optimal_blocks, block_tokens, sum(max_hits))
     return ReplayResult(
         policy=store.policy_name,
         capacity_tokens=capacity_tokens,
@@ -146,12 +150,12 @@ def replay(
         input_tokens=sum(r.input_length for r in requests),
         hit_tokens=sum(hits),
         max_hit_tokens=sum(max_hits),
-        optimal_hit_tokens=optimal_hit_tokens(requests, total_slots, block_tokens) if with_optimal else None,
+        optimal_hit_tokens=optimal,
         tier_hit_tokens=tier_hits,
         tier_capacity_tokens={name: n * block_tokens for name, n in slots.items()},
         write_policy=write_policy,
         elapsed_s=elapsed,
-        windows=tuple(split_windows(requests, hits, max_hits, windows)) if windows else (),
+        windows=tuple(split_windows(requests, hits, max_hits, windows, schedule)) if windows else (),
     )
 
 

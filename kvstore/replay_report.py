@@ -76,13 +76,20 @@ def format_summary(result: ReplayResult, trace: str, model: str | None = None) -
 
 
 def format_windows(windows: Sequence[ReplayWindow]) -> list[str]:
-    """One row per stretch of the trace: its requests, timestamps, hit rate and share of its maximum."""
+    """One row per stretch of the trace: its requests, timestamps, hit rate and share of its
+    maximum, and Belady's schedule's share where it was computed."""
+    belady = windows[0].optimal_schedule_hit_tokens is not None
     lines = [f"by stretch of the trace ({len(windows)} of equal request counts):",
-             f"  {'requests':>15}  {'timestamps':>23}  {'hit rate':>8}  {'max':>7}  {'of max':>7}"]
+             f"  {'requests':>15}  {'timestamps':>23}  {'hit rate':>8}  {'max':>7}  {'of max':>7}"
+             + (f"  {'Belady':>7}" if belady else "")]
     for w in windows:
         span = f"{w.first_request}-{w.first_request + w.requests - 1}"
         stamps = f"{_stamp(w.first_timestamp)}-{_stamp(w.last_timestamp)}"
-        lines.append(f"  {span:>15}  {stamps:>23}  {w.hit_rate:8.2%}  {w.max_hit_rate:7.2%}  {w.fraction_of_max:7.2%}")
+        lines.append(f"  {span:>15}  {stamps:>23}  {w.hit_rate:8.2%}  {w.max_hit_rate:7.2%}  {w.fraction_of_max:7.2%}"
+                     + (f"  {w.optimal_schedule_fraction_of_max:7.2%}" if belady else ""))
+    if belady:
+        lines.append("  (Belady: the share of each stretch's maximum its offline schedule kept; no bound on a "
+                     "stretch, as it maximises the whole trace)")
     return lines
 
 

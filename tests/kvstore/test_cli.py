@@ -133,7 +133,10 @@ def test_replay_shows_the_hit_rate_of_each_stretch_of_the_trace(capsys, trace):
     code, out, err = run_main(capsys, "replay", trace, "--capacity-tokens", "4k", "--windows", "2")
     assert code == 0, err
     table = out[out.index("by stretch of the trace (2 of equal request counts):"):].splitlines()
+    assert table[1].split()[-1] == "Belady"
     assert table[2].split()[:2] == ["0-2", "3-5"] and table[3].split()[:2] == ["3-5", "6-8"]  # requests, timestamps
+    code, out, err = run_main(capsys, "replay", trace, "--capacity-tokens", "4k", "--windows", "2", "--no-optimal")
+    assert code == 0 and "by stretch" in out and "Belady" not in out, err
     code, out, err = run_main(capsys, "replay", trace, "--capacity-tokens", "4k", "--windows", "2", "--json")
     result = json.loads(out)
     assert [w["requests"] for w in result["windows"]] == [3, 3]

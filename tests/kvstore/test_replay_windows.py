@@ -2,8 +2,10 @@
 
 import pytest
 
+from kvstore.belady import belady_hits
 from kvstore.errors import InvalidRequest
 from kvstore.replay import replay
+from kvstore.replay_report import format_windows
 from kvstore.replay_windows import split_windows
 from kvstore.trace import TraceRequest
 
@@ -54,3 +56,27 @@ def test_a_replay_s_windows_add_up_to_it_and_show_the_cold_start():
 def test_a_replay_without_windows_reports_none():
     result = replay([req(0, 1), req(1, 1)], capacity_tokens=2 * B)
     assert result.windows == () and result.as_dict()["windows"] == []
+
+
+def test_windows_carry_belady_s_schedule_when_the_bound_is_computed():
+    """The schedule's hits per window add up to its whole-trace hits, never exceed a window's
+    maximum, and show where knowing the future pays: here LRU's loop over 5 prompts in 4 slots
+    hits nothing, while Belady keeps two of them."""
+    prompts = [req(i, 10 * i, 10 * i + 1) for i in range(5)]
+    trace = [req(len(prompts) * k + i, *p.hash_ids) for k in range(3) for i, p in enumerate(prompts)]
+    result = replay(trace, capacity_tokens=4 * B, policy="lru", windows=3)
+    schedule = [w.optimal_schedule_hit_tokens for w in result.windows]
+    assert sum(schedule) == belady_hits(trace, 4, B)[1] > 0 and schedule[0] == 0  # nothing to hit at first
+    assert all(s <= w.max_hit_tokens for s, w in zip(schedule, result.windows))
+    assert result.windows[0].optimal_schedule_fraction_of_max == 1.0  # a cold stretch: all of nothing
+    assert [w.hit_tokens for w in result.windows] == [0, 0, 0]
+    assert [w.optimal_schedule_fraction_of_max for w in result.windows[1:]] == [s / (10 * B) for s in schedule[1:]]
+    assert "Belady" in format_windows(result.windows)[1]
+
+
+def test_windows_without_the_bound_have_no_belady_column():
+    trace = [req(i, i % 3) for i in range(6)]
+    result = replay(trace, capacity_tokens=2 * B, windows=2, with_optimal=False)
+    assert [w.optimal_schedule_hit_tokens for w in result.windows] == [None, None]
+    assert result.as_dict()["windows"][0]["optimal_schedule_fraction_of_max"] is None
+    assert "Belady" not in "\n".join(format_windows(result.windows))
