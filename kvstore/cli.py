@@ -153,7 +153,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         raise InvalidRequest(f"trace {args.trace} holds no requests")
     for note in trace_notes(trace, args.block_tokens):
         print(f"kvstore replay: {note}", file=sys.stderr)
-    capacities = list(dict.fromkeys(capacities or default_capacities(requests, args.block_tokens)))
+    capacities = list(dict.fromkeys(capacities or default_capacities(requests, args.block_tokens, tiers)))
     bar = progress_bars("replaying", len(requests) * len(capacities) * len(policies), unit=" requests")
     options = dict(tiers=tiers, write_policy=args.write_policy, block_tokens=args.block_tokens,
                    with_optimal=not args.no_optimal, progress=bar)

@@ -16,6 +16,7 @@ every policy, and the optimum, reaches a maximum of nothing.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass, field, replace
 from decimal import Decimal
@@ -242,8 +243,12 @@ def _with_optimal(result: ReplayResult, optimal: int) -> ReplayResult:
     return replace(result, optimal_hit_tokens=optimal)
 
 
-def default_capacities(requests: Sequence[TraceRequest], block_tokens: int = 512) -> list[int]:
-    """Capacities from 5% to 100% of the trace's distinct footprint, rounded to whole blocks."""
+def default_capacities(requests: Sequence[TraceRequest], block_tokens: int = 512,
+                       tiers: TierSplit = TierSplit()) -> list[int]:
+    """Capacities from 5% to 100% of the trace's distinct footprint, rounded to whole blocks, and
+    none below the smallest that gives each of ``tiers`` a block (``tier_slots``): a small trace's
+    curve starts there rather than being refused."""
     distinct = len({h for r in requests for h in r.hash_ids}) * block_tokens
-    return sorted({max(block_tokens, int(distinct * f) // block_tokens * block_tokens)
+    smallest = block_tokens * max(math.ceil(1 / Fraction(repr(share))) for _, share in tiers.shares)
+    return sorted({max(smallest, int(distinct * f) // block_tokens * block_tokens)
                    for f in (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0)})

@@ -123,7 +123,7 @@ def _parse_lines(lines: Iterable[bytes], block_tokens: int, path: str) -> Iterat
         if not line.strip():
             continue
         request = parse_request(_json(line, where), block_tokens, where)
-        chains.check(request.hash_ids, where)
+        chains.check(request, block_tokens, where)
         yield request
 
 
@@ -163,23 +163,33 @@ def _in_time_order(requests: list[TraceRequest], block_tokens: int) -> Trace:
 
 class ChainCheck:
     """Checks that ``hash_ids`` are chained prefix ids across a trace: an id names one whole
-    prefix, so it always follows the same id (or always starts a request). A trace that breaks
-    this cannot be replayed as prefixes (a block would be its own ancestor, or have two parents)."""
+    prefix, so it always follows the same id (or always starts a request) and always holds as
+    many tokens (a partial last block and the full block a longer prompt has there are two
+    blocks, with two ids). A trace that breaks this cannot be replayed as prefixes: a block would
+    be its own ancestor or have two parents, or a hit on it would count tokens it never stored."""
 
     def __init__(self) -> None:
-        self._parent: dict[int, tuple[int | None, str]] = {}  # id -> (the id before it, where first seen)
+        # id -> (the id before it, its tokens, where first seen)
+        self._seen: dict[int, tuple[int | None, int, str]] = {}
 
-    def check(self, hash_ids: tuple[int, ...], where: str) -> None:
+    def check(self, request: TraceRequest, block_tokens: int, where: str) -> None:
+        hash_ids = request.hash_ids
         if len(set(hash_ids)) != len(hash_ids):
             raise InvalidRequest(f"{where}: a hash id appears twice in one request; hash_ids must be chained "
                                  "prefix ids (each names the whole prefix up to its block)")
         parent = None
-        for block in hash_ids:
-            first = self._parent.setdefault(block, (parent, where))
+        for index, block in enumerate(hash_ids):
+            tokens = request.block_tokens(index, block_tokens)
+            first = self._seen.setdefault(block, (parent, tokens, where))
             if first[0] != parent:
                 raise InvalidRequest(
-                    f"{where}: hash id {block} follows {_named(parent)} here but {_named(first[0])} at {first[1]}; "
+                    f"{where}: hash id {block} follows {_named(parent)} here but {_named(first[0])} at {first[2]}; "
                     "hash_ids must be chained prefix ids (each names the whole prefix up to its block)")
+            if first[1] != tokens:
+                raise InvalidRequest(
+                    f"{where}: hash id {block} holds {tokens} tokens here but {first[1]} at {first[2]} "
+                    f"(at {block_tokens} tokens a block); a partial last block and the block a longer prompt "
+                    "fills there must have different ids, as their tokens differ")
             parent = block
 
 

@@ -100,6 +100,19 @@ def test_default_capacities_span_the_footprint():
     assert caps[0] == 5 * B and caps[-1] == 100 * B
 
 
+@pytest.mark.parametrize("tiers, smallest", [("host=0.25,disk=0.75", 4), ("host=0.1,disk=0.9", 10),
+                                             ("host=0.3,disk=0.7", 4)])
+def test_default_capacities_give_every_tier_a_block(tiers, smallest):
+    """A small trace's 5% is below one block per tier: before, the default sweep was refused whole."""
+    trace = [req(*range(i * 4, i * 4 + 4)) for i in range(10)]  # 40 distinct blocks: 5% is 2 blocks
+    split = TierSplit.parse(tiers)
+    caps = default_capacities(trace, tiers=split)
+    assert caps[0] == smallest * B and caps[-1] == 40 * B
+    assert all(min(tier_slots(c, split, B).values()) >= 1 for c in caps)
+    with pytest.raises(InvalidRequest):
+        tier_slots((smallest - 1) * B, split, B)  # the smallest is the least that splits
+
+
 @pytest.mark.parametrize("text", ["host=0.5", "host=0.5,host=0.5", "host=x", "host=1.5,disk=-0.5"])
 def test_bad_tier_splits_are_refused(text):
     with pytest.raises(InvalidRequest):

@@ -46,6 +46,23 @@ def test_an_id_under_two_parents_names_both_lines(tmp_path):
         read_trace(str(path))
 
 
+def test_an_id_holding_two_token_counts_names_both_lines(tmp_path):
+    """Block 2 is a partial last block of 88 tokens on line 1 and a full one on line 2: a hit on
+    line 2 would count 512 tokens the store never held for it (the replay counted 1024 of 1024)."""
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"input_length": 600, "hash_ids": [1, 2]}\n{"input_length": 1024, "hash_ids": [1, 2]}\n')
+    with pytest.raises(InvalidRequest, match=r"t.jsonl:2: hash id 2 holds 512 tokens here but 88 at .*t.jsonl:1 "
+                                             r"\(at 512 tokens a block\); a partial last block and the block"):
+        read_trace(str(path))
+
+
+def test_a_partial_last_block_may_return_partial_or_under_an_unhashed_tail(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"input_length": 600, "hash_ids": [1, 2]}\n{"input_length": 600, "hash_ids": [1, 2]}\n'
+                    '{"input_length": 1500, "hash_ids": [1, 3]}\n{"input_length": 1024, "hash_ids": [1, 3]}\n')
+    assert len(read_trace(str(path)).requests) == 4
+
+
 def test_missing_file_is_a_clear_error(tmp_path):
     with pytest.raises(InvalidRequest, match="does not exist"):
         read_trace(str(tmp_path / "nope.jsonl"))
@@ -134,7 +151,7 @@ def test_tokens_past_the_last_id_are_an_unhashed_tail(tmp_path):
     """A generator hashing only whole blocks leaves a tail past the last id. Before, such a line
     refused the whole trace; now it is read, counted, and the last block counts one block at most."""
     path = tmp_path / "t.jsonl"
-    path.write_text('{"input_length": 1500, "hash_ids": [1, 2]}\n{"input_length": 40, "hash_ids": []}\n' + LINES)
+    path.write_text('{"input_length": 1500, "hash_ids": [1, 4]}\n{"input_length": 40, "hash_ids": []}\n' + LINES)
     trace = read_trace(str(path))
     assert trace.unhashed_tail_requests == 2 and trace.requests[0].input_length == 1500
     assert [trace.requests[0].block_tokens(i, 512) for i in range(2)] == [512, 512]
