@@ -53,13 +53,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--policies", default=",".join(sorted(POLICIES)), help="comma-separated (default: all)")
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
+    policies = args.policies.split(",")
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:  # before any replay runs, not after the ones named first
+        parser.error(f"unknown {', '.join(map(repr, unknown))}; valid: {', '.join(sorted(POLICIES))}")
     trace = scale_trace()
     distinct = len({h for r in trace for h in r.hash_ids})
     capacity = distinct * BLOCK // 10
     rows = {}
-    for policy in args.policies.split(","):
-        if policy not in POLICIES:
-            parser.error(f"unknown policy {policy!r}; valid: {', '.join(sorted(POLICIES))}")
+    for policy in policies:
         runs = [replay(trace, capacity, policy, with_optimal=False) for _ in range(args.repeats)]
         rows[policy] = {"seconds": statistics.median(r.elapsed_s for r in runs),
                         "fraction_of_max": runs[0].fraction_of_max, "hit_rate": runs[0].hit_rate}

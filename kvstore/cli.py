@@ -177,6 +177,9 @@ def _replay_capacities(args: argparse.Namespace, tiers) -> list[int]:
     from kvstore.replay import tier_slots
     from kvstore.sizing import parse_capacity
 
+    if args.capacities is not None and not args.capacities.strip():
+        raise InvalidRequest("--capacities is empty: give capacities such as 1M,3M,8M, or leave it out for 5%..100% "
+                             "of the footprint")
     texts = (args.capacities.split(",") if args.capacities else []) if args.sweep else [args.capacity_tokens]
     capacities = [parse_capacity(text, args.model) for text in texts]
     for capacity in capacities:
@@ -186,6 +189,8 @@ def _replay_capacities(args: argparse.Namespace, tiers) -> list[int]:
 
 def _sweep_policies(text: str | None) -> list[str]:
     """``--policies`` (default: all), each once; unknown ones refused before any replay runs."""
+    if text is not None and not text.strip():
+        raise InvalidRequest(f"--policies is empty: give some of {', '.join(sorted(POLICIES))}, or leave it out for all")
     policies = list(dict.fromkeys(text.split(","))) if text else sorted(POLICIES)
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
@@ -233,9 +238,11 @@ def _cmd_trace_gen(args: argparse.Namespace) -> int:
     from kvstore.trace import write_trace
 
     requests = GENERATORS[args.kind](args.seed)
-    write_trace(args.out, requests)
+    to_stdout = args.out == "-"
+    write_trace(sys.stdout if to_stdout else args.out, requests)
     distinct = len({h for r in requests for h in r["hash_ids"]})
-    print(f"wrote {len(requests)} requests ({distinct} distinct blocks) to {args.out}")
+    print(f"wrote {len(requests)} requests ({distinct} distinct blocks) to {'standard output' if to_stdout else args.out}",
+          file=sys.stderr if to_stdout else sys.stdout)
     return 0
 
 
@@ -311,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("trace-gen", help="write a seeded synthetic trace in the Mooncake format")
     gen.add_argument("kind", choices=["chat", "agent"], help="multi-turn chat or agent sessions")
     gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--out", required=True, help="JSONL file to write")
+    gen.add_argument("--out", required=True, help="JSONL file to write (- for standard output)")
     gen.set_defaults(func=_cmd_trace_gen)
 
     add_serve_parser(sub)
@@ -329,6 +336,9 @@ def main(argv: list[str] | None = None) -> int:
     except KVStoreError as exc:
         print(f"kvstore {args.command}: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader of standard output went away (``| head``): no error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail again
+        return 141  # as a shell reports SIGPIPE
     except OSError as exc:  # a path that does not exist, is a directory, or may not be written
         print(f"kvstore {args.command}: {describe_os_error(exc)}", file=sys.stderr)
         return 2

@@ -121,14 +121,15 @@ def format_sweep(results: Sequence[ReplayResult], model: str | None = None) -> s
     with_optimal = any(r.optimal_hit_tokens is not None for r in results)
     width = 10 if model is None else 24
     columns = policies + (["belady"] if with_optimal else [])
-    header = f"{'capacity':>{width}}" + "".join(f"{name:>22}" for name in columns)
+    cell = max(22, 2 + max(len(name) for name in columns))  # names apart
+    header = f"{'capacity':>{width}}" + "".join(f"{name:>{cell}}" for name in columns)
     lines = ["token hit rate (fraction of the infinite-capacity max)", header]
     for size, row in sorted(by_capacity.items()):
         first = next(iter(row.values()))
         cells = [f"{row[p].hit_rate:>12.2%} ({row[p].fraction_of_max:>6.1%})" for p in policies]
         if with_optimal:
             cells.append(f"{first.optimal_hit_rate:>12.2%} ({first.optimal_fraction_of_max:>6.1%})")
-        lines.append(f"{capacity(size, model):>{width}}" + "".join(f"{c:>22}" for c in cells))
+        lines.append(f"{capacity(size, model):>{width}}" + "".join(f"{c:>{cell}}" for c in cells))
     first = results[0]
     lines.append(f"infinite-capacity max: {first.max_hit_rate:.2%} of input tokens")
     return "\n".join(lines + ["", format_sizing(results, model)])
@@ -144,7 +145,7 @@ def format_sizing(results: Sequence[ReplayResult], model: str | None = None) -> 
                       for r in results if r.optimal_hit_tokens is not None})
     if optimal:
         curves["belady"] = optimal
-    width = 12 if model is None else 26
+    width = max(12 if model is None else 26, 2 + max(len(name) for name in curves))  # names apart
     lines = ["capacity to keep a fraction of the max (the least measured that does; the exact one can be "
              "smaller, down to the next capacity measured)", f"{'of max':>8}" + "".join(f"{name:>{width}}" for name in curves)]
     for fraction in SIZING_FRACTIONS:

@@ -51,6 +51,8 @@ def parse_capacity(text: str, model: str | None = None) -> int:
     KV payload fits in 128 GiB (rounded down; a tier's own overhead is not counted: the host tier
     packs blocks into pages and can hold up to about 6% fewer). Raises ``InvalidRequest`` on
     anything else."""
+    if _QUANTITY.fullmatch(text.lower().replace("-", "", 1)) and text.strip().startswith("-"):
+        raise InvalidRequest(f"a capacity must be at least one token, got {text!r}")
     match = _QUANTITY.fullmatch(text.lower())
     unit = match[2] if match else None
     if unit in _TOKEN_UNITS:

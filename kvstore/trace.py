@@ -59,14 +59,20 @@ def parse_request(obj: dict, block_tokens: int, where: str) -> TraceRequest:
     if not isinstance(obj, dict):
         raise InvalidRequest(f"{where}: not a trace request (a JSON {type(obj).__name__}); expected an object "
                              "with keys input_length and hash_ids")
+    missing = [key for key in ("input_length", "hash_ids") if key not in obj]
+    if missing:
+        raise InvalidRequest(f"{where}: not a trace request (no {' and no '.join(missing)}); expected keys "
+                             "input_length and hash_ids")
+    hash_ids = obj["hash_ids"]
+    if not isinstance(hash_ids, list):
+        raise InvalidRequest(f"{where}: not a trace request (hash_ids is a JSON {_json_type(hash_ids)}, not a list "
+                             "of block ids)")
     try:
-        hash_ids = obj["hash_ids"]
-        if not isinstance(hash_ids, list):
-            raise TypeError(f"hash_ids is a {type(hash_ids).__name__}, not a list")
-        request = TraceRequest(float(obj.get("timestamp", 0)), _integer(obj["input_length"]),
-                               _integer(obj.get("output_length", 0)), tuple(_integer(h) for h in hash_ids))
-    except (KeyError, TypeError, ValueError) as exc:
-        raise InvalidRequest(f"{where}: not a trace request ({exc!r}); expected keys input_length and hash_ids") from None
+        request = TraceRequest(_timestamp(obj.get("timestamp", 0)), _integer(obj["input_length"], "input_length"),
+                               _integer(obj.get("output_length", 0), "output_length"),
+                               tuple(_integer(h, "a hash id") for h in hash_ids))
+    except ValueError as exc:
+        raise InvalidRequest(f"{where}: not a trace request ({exc})") from None
     if not math.isfinite(request.timestamp):
         raise InvalidRequest(f"{where}: timestamp must be a finite number, got {request.timestamp}")
     blocks = len(request.hash_ids)
@@ -80,13 +86,29 @@ def parse_request(obj: dict, block_tokens: int, where: str) -> TraceRequest:
     return request
 
 
-def _integer(value) -> int:
-    """``value`` as an int if it is a whole JSON number (not a bool, a string or 1024.7)."""
+def _integer(value, name: str) -> int:
+    """``value`` as an int if it is a whole JSON number (not a bool, a string or 1024.7); else
+    ``ValueError`` naming the field."""
     if type(value) is int:  # the common case, first: a trace has millions of ids
         return value
     if isinstance(value, bool) or not isinstance(value, float) or not value.is_integer():
-        raise ValueError(f"{value!r} is not a whole number")
+        raise ValueError(f"{name} {json.dumps(value)} is not a whole number")
     return int(value)
+
+
+def _timestamp(value) -> float:
+    """``value`` as a float (milliseconds in the Mooncake traces; a number in a string is taken as
+    it always was), else ``ValueError`` naming the field."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"timestamp {json.dumps(value)} is not a number") from None
+
+
+def _json_type(value) -> str:
+    """The JSON name of a parsed value's type: number, string, object, boolean, null."""
+    names = {bool: "boolean", int: "number", float: "number", str: "string", dict: "object", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
 
 
 def read_trace(path: str, block_tokens: int = 512) -> Trace:
@@ -197,10 +219,18 @@ def _named(parent: int | None) -> str:
     return "nothing (a request's start)" if parent is None else f"id {parent}"
 
 
-def write_trace(path: str, requests: Iterable[TraceRequest | dict]) -> None:
-    with open(path, "w") as f:
-        for request in requests:
-            obj = request if isinstance(request, dict) else {
-                "timestamp": request.timestamp, "input_length": request.input_length,
-                "output_length": request.output_length, "hash_ids": list(request.hash_ids)}
-            f.write(json.dumps(obj) + "\n")
+def write_trace(target: str | IO[str], requests: Iterable[TraceRequest | dict]) -> None:
+    """``requests`` as a JSONL trace to ``target``, a path or an open text file (standard output, say)."""
+    if not isinstance(target, str):
+        _write_lines(target, requests)
+        return
+    with open(target, "w") as f:
+        _write_lines(f, requests)
+
+
+def _write_lines(f: IO[str], requests: Iterable[TraceRequest | dict]) -> None:
+    for request in requests:
+        obj = request if isinstance(request, dict) else {
+            "timestamp": request.timestamp, "input_length": request.input_length,
+            "output_length": request.output_length, "hash_ids": list(request.hash_ids)}
+        f.write(json.dumps(obj) + "\n")

@@ -222,6 +222,20 @@ def test_a_sweep_refuses_an_unknown_policy_before_replaying(capsys, monkeypatch,
     assert (code, out) == (2, "") and "--policies: unknown 'nope'; give some of adaptive, hit_density" in err
 
 
+@pytest.mark.parametrize("args, message", [
+    (("--capacities", ""), "--capacities is empty: give capacities such as 1M,3M,8M, or leave it out"),
+    (("--capacities", " "), "--capacities is empty"),
+    (("--policies", ""), "--policies is empty: give some of adaptive, hit_density"),
+])
+def test_a_sweep_refuses_an_empty_list_rather_than_taking_the_defaults(capsys, monkeypatch, trace, args, message):
+    """Before, an empty --capacities or --policies (a shell variable left unset) silently swept the defaults."""
+    import kvstore.replay
+
+    monkeypatch.setattr(kvstore.replay, "replay", lambda *a, **kw: pytest.fail("a replay ran"))
+    code, out, err = run_main(capsys, "replay", trace, "--sweep", *args)
+    assert (code, out) == (2, "") and message in err and err.count("\n") == 1
+
+
 def test_a_capacity_in_bytes_needs_a_model(capsys, trace):
     code, out, err = run_main(capsys, "replay", trace, "--capacity-tokens", "1GiB")
     assert (code, out) == (2, "") and "'1GiB' is a size in bytes: give --model" in err
@@ -280,3 +294,30 @@ def test_run_removes_the_temporary_directory_it_made_and_keeps_a_given_one(tmp_p
     with pytest.raises(RuntimeError):
         cli._cmd_run(args)
     assert os.path.exists(made[0]) == keep and (made[0] == str(given)) == keep
+
+
+def test_trace_gen_writes_standard_output_with_out_dash(capsys, tmp_path):
+    """Before, --out - wrote a file named '-'; now the trace goes to standard output, the summary
+    to standard error, and the trace reads back as the one written to a file."""
+    from kvstore.trace import read_trace
+
+    code, out, err = run_main(capsys, "trace-gen", "agent", "--seed", "2", "--out", "-")
+    assert code == 0 and err.startswith("wrote ") and err.rstrip().endswith("to standard output")
+    (tmp_path / "piped.jsonl").write_text(out)
+    assert run_main(capsys, "trace-gen", "agent", "--seed", "2", "--out", str(tmp_path / "file.jsonl"))[0] == 0
+    piped, written = (read_trace(str(tmp_path / name)).requests for name in ("piped.jsonl", "file.jsonl"))
+    assert piped == written and len(piped) > 100 and not (tmp_path / "-").exists()
+
+
+def test_a_closed_pipe_ends_the_command_quietly():
+    """``kvstore trace-gen ... --out - | head``: before, a BrokenPipeError became 'kvstore trace-gen:
+    [Errno 32] Broken pipe' on standard error."""
+    import subprocess
+    import sys
+
+    gen = subprocess.Popen([sys.executable, "-m", "kvstore", "trace-gen", "chat", "--out", "-"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    gen.stdout.read(100)
+    gen.stdout.close()
+    _, err = gen.communicate(timeout=120)
+    assert gen.returncode == 141 and err == b""

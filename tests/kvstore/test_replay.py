@@ -74,6 +74,15 @@ def test_sweep_computes_every_capacity_and_policy():
     assert "belady" in format_sweep(results) and "lru" in format_summary(results[0], "t")
 
 
+def test_long_policy_names_stay_apart_in_both_tables():
+    """Before, the sizing table's 12-character columns ran names together: 'lruhit_density_pooled'."""
+    trace = [req(1, 2), req(3, 4), req(1, 2), req(1, 2, 5)]
+    results = sweep(trace, [B, 8 * B], ["lru", "hit_density_pooled", "hit_density"])
+    for table in format_sweep(results).split("\n\n"):
+        header = table.splitlines()[1].split()
+        assert header[-4:] == ["lru", "hit_density_pooled", "hit_density", "belady"], header
+
+
 def test_a_sweep_in_worker_processes_gives_what_one_process_gives():
     rng = random.Random(3)
     trace = [req(*[c * 1000 + d for d in range(rng.randint(1, 6))]) for c in (rng.randint(0, 40) for _ in range(500))]

@@ -16,7 +16,7 @@ def req(t, *ids, tokens=None):
     return TraceRequest(float(t), tokens if tokens is not None else B * len(ids), 0, tuple(ids))
 
 
-def test_windows_cut_the_requests_evenly_the_larger_ones_last_and_keep_their_timestamps():
+def test_windows_cut_the_requests_evenly_and_keep_their_timestamps():
     trace = [req(10 * i, i) for i in range(7)]
     windows = split_windows(trace, [1] * 7, [2] * 7, 3)
     assert [(w.first_request, w.requests) for w in windows] == [(0, 2), (2, 2), (4, 3)]
@@ -24,6 +24,15 @@ def test_windows_cut_the_requests_evenly_the_larger_ones_last_and_keep_their_tim
     assert [(w.hit_tokens, w.max_hit_tokens, w.input_tokens) for w in windows] == [(2, 4, 2 * B), (2, 4, 2 * B),
                                                                                      (3, 6, 3 * B)]
     assert windows[2].fraction_of_max == 0.5
+
+
+@pytest.mark.parametrize("requests, count", [(3999, 7), (7, 7), (10, 4), (1, 1)])
+def test_window_sizes_differ_by_one_at_most_and_cover_every_request(requests, count):
+    """One window a request is the most a trace allows (the refusal starts past it)."""
+    windows = split_windows([req(i, i) for i in range(requests)], [0] * requests, [0] * requests, count)
+    sizes = [w.requests for w in windows]
+    assert len(windows) == count and sum(sizes) == requests and max(sizes) - min(sizes) <= 1
+    assert [w.first_request for w in windows] == [sum(sizes[:i]) for i in range(count)]
 
 
 @pytest.mark.parametrize("count, message", [(0, "--windows must be at least 1, got 0"),

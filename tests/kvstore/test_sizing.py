@@ -41,7 +41,8 @@ def test_capacities_in_bytes_are_the_tokens_that_fit(text, model, expected):
 
 @pytest.mark.parametrize("text, message", [
     ("lots", "cannot read 'lots' as a capacity"),
-    ("-3M", "cannot read '-3M'"),
+    ("-3M", "a capacity must be at least one token, got '-3M'"),
+    ("-5", "a capacity must be at least one token, got '-5'"),
     ("3x", "cannot read '3x'"),
     ("0", "at least one token"),
     ("128GiB", "'128GiB' is a size in bytes: give --model"),
