@@ -59,9 +59,11 @@ def belady_hits(requests: Sequence[TraceRequest], capacity_blocks: int, block_to
     return blocks, sum(tokens)
 
 
-def belady_schedule(requests: Sequence[TraceRequest], capacity_blocks: int,
-                    block_tokens: int) -> tuple[int, list[int]]:
-    """Belady with bypass at ``capacity_blocks`` slots: its block hits, and each request's token hits."""
+def belady_schedule(requests: Sequence[TraceRequest], capacity_blocks: int, block_tokens: int,
+                    heap_slack: int = 4096) -> tuple[int, list[int]]:
+    """Belady with bypass at ``capacity_blocks`` slots: its block hits, and each request's token hits.
+    The heap is rebuilt from the resident blocks when it holds ``heap_slack`` stale items beyond
+    4 per resident block (the same schedule either way; tests rebuild it often)."""
     future = next_uses(requests)
     resident: dict[int, tuple[float, int]] = {}  # block id -> (next use, depth)
     heap: list[tuple[float, int, int]] = []  # (-next use, -depth, id): furthest, deepest first
@@ -84,7 +86,7 @@ def belady_schedule(requests: Sequence[TraceRequest], capacity_blocks: int,
             neg_use, neg_depth, block = heapq.heappop(heap)
             if resident.get(block) == (-neg_use, -neg_depth):
                 del resident[block]
-        if len(heap) > 4 * len(resident) + 4096:
+        if len(heap) > 4 * len(resident) + heap_slack:
             heap = [(-u, -d, b) for b, (u, d) in resident.items()]
             heapq.heapify(heap)
     return hit_blocks, hit_tokens

@@ -275,3 +275,155 @@ def test_a_demoted_block_is_admitted_only_as_dense_as_the_leaf_it_would_displace
     assert policy.admits_demotion(k(99), lambda key: False)
     policy._schemes[0].density_of_fine_class[policy.remembered(k(50))[0]][:] = [0.5] * policy.age_buckets
     assert not policy.admits_demotion(k(50), lambda key: key != k(50))
+
+
+def conditional_densities(reused, ended, waiting, widths):
+    """LHD's density at each age bucket, written from its definition rather than from the policy's
+    code: for a key that has reached bucket a, the expected hits before it leaves over the expected
+    space-time it holds, with Kaplan-Meier hazards (a reuse ends a lifetime; a key forgotten
+    unreferenced, or still waiting, is censored: it counts as at risk up to its bucket, then leaves).
+    O(buckets**2), each bucket's sums taken from scratch."""
+    buckets = len(widths)
+    hazard = []
+    for b in range(buckets):
+        at_risk = sum(reused[c] + ended[c] + waiting[c] for c in range(b, buckets))
+        hazard.append(reused[b] / at_risk if at_risk else 0.0)
+    out = []
+    for a in range(buckets):
+        alive, hits, space_time = 1.0, 0.0, 0.0
+        for b in range(a, buckets):
+            hits += alive * hazard[b]
+            space_time += alive * widths[b]
+            alive *= 1.0 - hazard[b]
+        out.append(hits / space_time if space_time else 0.0)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_densities_are_lhd_s_over_kaplan_meier_hazards(seed):
+    """The density fit checked against its definition (before, only pinned hit counts would have
+    shown a slip in it: survival never reduced, censored keys left out of the risk set, widths
+    ignored, hits taken for density; each of those fails here)."""
+    rng = random.Random(seed)
+    policy = HitDensityPolicy()
+    scheme = policy._schemes[0]
+    buckets = policy.age_buckets
+    classes = len(scheme.density)
+    rows = {name: [[0.0] * buckets for _ in range(classes)] for name in ("reused", "ended", "waiting")}
+    for cls in range(classes):
+        for name, rows_of in rows.items():
+            for b in rng.sample(range(60), 8):  # sparse counts over the first 60 buckets (ages to 2**15)
+                rows_of[cls][b] = float(rng.randint(1, 50))
+    scheme.reused, scheme.ended = rows["reused"], rows["ended"]
+    scheme.density[:] = [[0.0] * buckets for _ in range(classes)]  # rows replaced: the fit must fill them
+    scheme.density_of_fine_class = [scheme.density[c] for c in scheme.fold] + [[0.0] * buckets]
+    policy._fit(scheme, rows["waiting"])
+    for cls in range(classes):
+        expected = conditional_densities(rows["reused"][cls], rows["ended"][cls], rows["waiting"][cls], policy._widths)
+        assert scheme.density[cls] == pytest.approx(expected, rel=1e-9, abs=1e-300)
+        assert expected[0] > 0 and expected[59] != expected[0]  # not trivially flat
+
+
+def test_the_age_bucket_widths_are_the_bucket_spans():
+    """Bucket b holds ages [2**(b/4) - 1, 2**((b+1)/4) - 1): its width is the age span it covers."""
+    policy = HitDensityPolicy()
+    for b in (0, 1, 7, 40, 159):
+        assert policy._widths[b] == pytest.approx(2 ** ((b + 1) / 4) - 2 ** (b / 4))
+    assert policy._bucket(0) == 0 and policy._bucket(2 ** 10 - 1) == 40 and policy._bucket(2 ** 10) == 40
+
+
+def store(policy, key, parent=None):
+    assert policy.admit(key, parent, 1)
+    policy.on_insert(key, parent, 1)
+
+
+def test_blocks_are_classed_by_their_run_tail_ness_and_uses_as_documented():
+    """Each class from the rule in the module's docstring, key by key: once-used blocks by log2
+    run length (capped at 128+) and whether they ended their run; reused ones by 2, 3, 4+ uses."""
+    policy = HitDensityPolicy()
+    run_class = lambda length, tail: 2 * min(length.bit_length() - 1, policy.run_classes - 1) + tail  # noqa: E731
+    used_class = lambda uses: 2 * (policy.run_classes + min(uses - 2, policy.use_classes - 1))  # noqa: E731
+    cls = lambda key: policy.remembered(key)[0]  # noqa: E731
+    chain = [k(i) for i in range(1, 6)]
+    for parent, key in zip([None] + chain, chain):
+        store(policy, key, parent)
+    long_run = [k(100 + i) for i in range(200)]
+    for parent, key in zip([None] + long_run, long_run):  # a new head: the five-block run ends
+        store(policy, key, parent)
+    assert [cls(key) for key in chain] == [run_class(5, False)] * 4 + [run_class(5, True)]
+    policy.on_access(chain[0])  # the 200-block run ends: the class of 128+
+    assert cls(long_run[0]) == run_class(200, False) == 2 * (policy.run_classes - 1)
+    assert cls(long_run[-1]) == run_class(200, True)
+    for uses in (2, 3, 4, 5):
+        assert cls(chain[0]) == used_class(uses)
+        policy.on_access(chain[0])
+
+
+@pytest.mark.parametrize("reference", ["on_access", "on_hit_elsewhere"])
+def test_a_hit_ends_the_insertion_run(reference):
+    """A hit between two stores of one chain splits them into two runs: the first run's last block
+    is a tail (it had no child when its run ended), though the chain goes on below it."""
+    policy = HitDensityPolicy()
+    store(policy, k(9))  # a chain of its own, hit below
+    store(policy, k(1))
+    store(policy, k(2), k(1))
+    getattr(policy, reference)(*((k(9),) if reference == "on_access" else (k(9), None)))
+    store(policy, k(3), k(2))  # continues the chain, but the hit ended the run [k(1), k(2)]
+    store(policy, k(50))  # ends k(3)'s run of one
+    assert policy.remembered(k(2))[0] == 2 * 1 + 1  # a run of 2, the tail
+    assert policy.remembered(k(3))[0] == 2 * 0 + 1  # a run of 1 of its own, the tail
+
+
+def test_a_run_ends_when_the_next_block_is_admitted_before_room_is_made_for_it():
+    """The victim for a new head is chosen by classes in which the run before it has ended."""
+    policy = HitDensityPolicy()
+    for parent, key in zip([None, k(1), k(2), k(3)], [k(1), k(2), k(3), k(4)]):
+        store(policy, key, parent)
+    assert policy.admit(k(50), None, 1)
+    assert [policy.remembered(k(i))[0] for i in range(1, 5)] == [2 * 2] * 3 + [2 * 2 + 1]  # a run of 4
+
+
+def test_stores_heard_from_another_tier_make_runs_as_the_tier_s_own_do():
+    """A lower tier hears the store's puts (``on_stored_elsewhere``), with no ``admit``: a new
+    head there ends the run as it does here."""
+    policy = HitDensityPolicy()
+    for parent, key in zip([None, k(1), k(2)], [k(1), k(2), k(3)]):
+        policy.on_stored_elsewhere(key, parent, 1)
+    policy.on_stored_elsewhere(k(50), None, 1)
+    assert [policy.remembered(k(i))[0] for i in range(1, 4)] == [2 * 1, 2 * 1, 2 * 1 + 1]  # a run of 3
+
+
+def test_a_re_stored_block_keeps_its_use_class_when_its_run_ends():
+    """Stored, evicted and stored again: the second store is a reuse (2 uses). The run it came in
+    with must not reclass it as a once-used block."""
+    policy = HitDensityPolicy()
+    store(policy, k(1))
+    store(policy, k(2))  # ends k(1)'s run
+    policy.on_remove(k(1))
+    store(policy, k(1))
+    store(policy, k(3), k(1))
+    store(policy, k(4))  # ends the run [k(1), k(3)]
+    assert policy.remembered(k(1))[0] == 2 * policy.run_classes  # 2 uses, not a tail
+    assert policy.remembered(k(3))[0] == 2 * 1 + 1  # once used: a run of 2, the tail
+
+
+def test_keys_forgotten_unreferenced_count_as_ended_at_their_age():
+    policy = HitDensityPolicy()
+    policy.history_factor = policy._history_per_resident = 1
+    for i in range(3000):  # 3000 one-off heads, 8 resident: the history keeps 8 + 1024
+        store(policy, k(i))
+        if i >= 8:
+            victim = next(policy.victims())
+            policy.on_remove(victim)
+    ended = sum(map(sum, policy._schemes[0].ended))
+    assert ended == 3000 - len(policy._history) and 1024 < len(policy._history) <= 9 + 1024  # its bound
+
+
+def test_densities_are_refit_every_half_of_the_resident_blocks_at_least_every_1024_stores(monkeypatch):
+    policy = HitDensityPolicy()
+    refits = []
+    fit = policy._reconfigure
+    monkeypatch.setattr(policy, "_reconfigure", lambda: (refits.append(policy._now), fit()))
+    for i in range(10_000):  # nothing evicted: the resident blocks grow with the clock
+        store(policy, k(i))
+    assert refits == [1024, 2048, 3072, 4608, 6912]  # then 6912 + 3456 = 10368
