@@ -128,3 +128,80 @@ def test_a_policy_that_stood_by_ranks_exactly_as_one_that_kept_its_order():
                     on_step=lambda step: lazy.stand_by() if rng.random() < 0.2 else None)
     assert len(victims) > 1000
     assert list(kept.victims()) == list(lazy.victims())
+
+
+def test_the_probation_target_moves_by_arc_s_rule():
+    """ARC (Megiddo and Modha, FAST 2003): a ghost of probation back moves the target up by
+    max(1, protected ghosts / probation ghosts), one of protected moves it down by the inverse
+    ratio, and each ghost leaves its list when it comes back. 20 resident blocks that stay keep
+    the ghost lists' bound (the resident count) out of the way."""
+    policy = ReuseARCPolicy()
+    for i in range(100, 120):
+        policy.on_insert(k(i), None, 1)
+    for i in range(1, 7):
+        policy.on_insert(k(i), None, 1)
+    for i in range(1, 5):
+        policy.on_access(k(i))  # 1-4 protected, 5-6 on probation
+    for i in range(1, 7):
+        policy.on_remove(k(i))  # ghosts: 4 of protected, 2 of probation
+    assert policy._target == 0
+    policy.on_insert(k(5), None, 1)  # probation's ghost: up by max(1, 4 / 2)
+    assert policy._target == 2
+    policy.on_insert(k(1), None, 1)  # protected's ghost: down by max(1, 1 / 4)
+    assert policy._target == 1
+    policy.on_insert(k(6), None, 1)  # probation's ghost: up by max(1, 3 / 1)
+    assert policy._target == 4
+    policy.on_insert(k(2), None, 1)  # protected's ghost, with none of probation left: down by 1
+    assert policy._target == 3
+
+
+def test_probation_gives_the_victim_only_while_it_is_above_its_target():
+    policy = ReuseARCPolicy()
+    policy.on_insert(k(1), None, 1)
+    policy.on_access(k(1))  # protected
+    policy.on_insert(k(2), None, 1)  # probation
+    policy.on_insert(k(3), None, 1)
+    policy.on_remove(k(3))
+    policy.on_insert(k(3), None, 1)  # back from probation's ghosts: target 1, and protected (2 uses)
+    assert policy._target == 1 and len(policy._entries) - len(policy._protected) == 1
+    assert first_victim(policy) == 1  # probation at its target: protected's least recent goes
+    policy.on_insert(k(4), None, 1)  # probation above its target now
+    assert first_victim(policy) == 2
+
+
+def test_the_ghost_lists_hold_as_many_keys_as_the_tier_holds_blocks():
+    policy = ReuseARCPolicy()
+    for i in range(1, 6):
+        policy.on_insert(k(i), None, 1)
+    sizes = []
+    for i in range(1, 6):
+        policy.on_remove(k(i))
+        sizes.append(len(policy._ghosts))
+    assert sizes == [1, 2, 3, 2, 1]  # at most the blocks resident before each removal
+    assert policy._ghost_sizes == (1, 0) and list(policy._ghosts) == [k(5)]
+
+
+def test_the_target_moves_down_by_the_ghost_ratio_and_stays_within_the_tier():
+    policy = ReuseARCPolicy()
+    for i in range(100, 120):
+        policy.on_insert(k(i), None, 1)
+    for i in range(1, 8):
+        policy.on_insert(k(i), None, 1)
+    policy.on_access(k(7))  # protected
+    for i in range(1, 8):
+        policy.on_remove(k(i))  # ghosts: 6 of probation, 1 of protected
+    for i in (1, 2, 3):
+        policy.on_insert(k(i), None, 1)  # up by max(1, 1/6), max(1, 1/5), max(1, 1/4)
+    assert policy._target == 3
+    policy.on_insert(k(7), None, 1)  # protected's ghost: down by max(1, 3 / 1)
+    assert policy._target == 0
+
+    small = ReuseARCPolicy()
+    for i in range(100, 103):
+        small.on_insert(k(i), None, 1)
+    for j in range(10):  # each block back from probation's ghosts: up by at least 1 each time...
+        small.on_insert(k(j), None, 1)
+        small.on_remove(k(j))
+        small.on_insert(k(j), None, 1)
+        small.on_remove(k(j))
+    assert small._target == 3  # ...but never past the blocks resident when it moves

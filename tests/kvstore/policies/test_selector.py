@@ -248,3 +248,17 @@ def test_blocks_stored_elsewhere_are_sampled_by_their_own_draw():
     assert 0.6 * expected < len(drawn) < 1.4 * expected and len(policy) == 0
     held = set().union(*(m.resident for m in policy._miniatures))  # 16 blocks each: the latest drawn
     assert set(policy._links) == held and held <= drawn and len(held) >= 16
+
+
+def test_a_miniature_never_evicts_the_parent_of_the_block_it_stores():
+    """As the store never evicts a block's only parent to make room for it: a thinned chain in a
+    miniature stays a chain (the block would otherwise hang under nothing there)."""
+    from kvstore.policies.selector import _Miniature
+
+    miniature = _Miniature(LRUPolicy())
+    for key, parent in ((k(1), None), (k(2), None)):
+        assert miniature.reference(key, parent, capacity=2) == []
+    assert miniature.reference(k(3), k(1), capacity=2) == [k(2)]  # LRU alone would offer k(1), the oldest
+    assert miniature.resident == {k(1), k(3)}
+    assert miniature.reference(k(4), k(3), capacity=1) == [] and miniature.resident == {k(1), k(3)}  # no room
+    assert miniature.reference(k(1), None, capacity=2) == [] and miniature.hits == 1.0
