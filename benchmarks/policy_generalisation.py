@@ -11,7 +11,9 @@ Capacities are fractions of each variant's distinct footprint (``--fractions``);
 Belady's bound already keeps more than 99% of the maximum are reported but left out of the
 summary (every policy is near the maximum there). The summary gives, per policy, the median and
 the worst ratio to LRU and to Belady's bound over the points, and how many points it loses to LRU
-by more than half a point of the maximum. Prints tables, or one JSON object with ``--json``.
+by more than half a point of the maximum; for a selector (``adaptive``) measured beside its
+candidates, its regret: how far below the best of them it falls at each point (negative where
+it is above them all), its mean and its worst. Prints tables, or one JSON object with ``--json``.
 
     .venv/bin/python benchmarks/policy_generalisation.py [--variants 6] [--seed 0] [--jobs 2]
         [--fractions 0.005,0.01,0.02,0.04] [--policies lru,adaptive] [--scale 1] [--json]
@@ -159,6 +161,11 @@ def summarise(points: list[dict], policies: list[str]) -> dict:
                        "worst_to_belady": min(to_opt) if to_opt else None,
                        "mean_of_max": statistics.fmean(m[policy] for m in live) if live else None,
                        "losses_to_lru": len(losses), "worst_loss_to_lru": max(losses, default=0.0)}
+        candidates = [c.name for c in getattr(POLICIES[policy], "candidates", ())]
+        if candidates and all(c in policies for c in candidates):
+            regrets = [max(m[c] for c in candidates) - m[policy] for m in live]  # < 0: above them all
+            out[policy].update(candidates=candidates, mean_regret=statistics.fmean(regrets) if regrets else None,
+                               worst_regret=max(regrets, default=None))
     return out
 
 
@@ -185,6 +192,11 @@ def _print(result: dict, policies: list[str]) -> None:
         print(f"{policy:>18} {row['mean_of_max']:>11.1%} {row['median_to_lru']:>12.3f} {row['worst_to_lru']:>11.3f} "
               f"{row['median_to_belady']:>16.1%} {row['worst_to_belady']:>15.1%} "
               f"{row['losses_to_lru']:>5} (worst {row['worst_loss_to_lru']:.1%})")
+    for policy in policies:
+        row = s[policy]
+        if row.get("mean_regret") is not None:
+            print(f"{policy} below the best of its candidates ({', '.join(row['candidates'])}) at each point: "
+                  f"mean {row['mean_regret']:.2%}, worst {row['worst_regret']:.1%} of the maximum")
     print(f"\n{result['seconds']:.0f} s on {result['jobs']} worker processes")
 
 

@@ -5,6 +5,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "policy_generalisation.py"
 
 
@@ -44,3 +46,29 @@ def test_bad_arguments_are_refused_with_the_rule():
                           (("--scale", "0"), "--scale must lie in (0, 10]")):
         result = run(*args, timeout=60)
         assert result.returncode == 2 and message in result.stderr, (args, result.stderr)
+
+
+def test_a_selector_s_regret_is_its_distance_below_the_best_of_its_candidates():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("policy_generalisation", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # its dataclasses look their module up there
+    try:
+        spec.loader.exec_module(bench)
+    finally:
+        del sys.modules[spec.name]
+    names = ["lru", "hit_density", "hit_density_pooled", "reuse_arc", "adaptive"]
+
+    def point(belady, **shares):
+        return {"of_max": {"belady": belady, **shares}}
+
+    points = [point(0.8, lru=0.9, hit_density=0.5, hit_density_pooled=0.6, reuse_arc=0.55, adaptive=0.58),  # 0.02 below
+              point(0.8, lru=0.3, hit_density=0.5, hit_density_pooled=0.4, reuse_arc=0.45, adaptive=0.53),  # 0.03 above
+              point(1.0, lru=0.3, hit_density=0.9, hit_density_pooled=0.4, reuse_arc=0.45, adaptive=0.4)]  # saturated
+    summary = bench.summarise(points, names)
+    row = summary["adaptive"]
+    assert row["candidates"] == ["hit_density", "hit_density_pooled", "reuse_arc"]  # LRU above it is no regret
+    assert row["mean_regret"] == pytest.approx(-0.005) and row["worst_regret"] == pytest.approx(0.02)
+    assert "mean_regret" not in summary["hit_density"]  # no candidates: no regret
+    assert "mean_regret" not in bench.summarise(points, ["lru", "hit_density", "adaptive"])["adaptive"]
