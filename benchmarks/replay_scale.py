@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     policies = args.policies.split(",")
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:  # before any replay runs, not after the ones named first
-        parser.error(f"unknown {', '.join(map(repr, unknown))}; valid: {', '.join(sorted(POLICIES))}")
+        parser.error(f"--policies: unknown {', '.join(map(repr, unknown))}; valid: {', '.join(sorted(POLICIES))}")
     trace = scale_trace()
     distinct = len({h for r in trace for h in r.hash_ids})
     capacity = distinct * BLOCK // 10

@@ -62,8 +62,9 @@ def belady_hits(requests: Sequence[TraceRequest], capacity_blocks: int, block_to
 def belady_schedule(requests: Sequence[TraceRequest], capacity_blocks: int, block_tokens: int,
                     heap_slack: int = 4096) -> tuple[int, list[int]]:
     """Belady with bypass at ``capacity_blocks`` slots: its block hits, and each request's token hits.
-    The heap is rebuilt from the resident blocks when it holds ``heap_slack`` stale items beyond
-    4 per resident block (the same schedule either way; tests rebuild it often)."""
+    The heap is rebuilt from the resident blocks when it holds more than 4 items per resident
+    block plus ``heap_slack`` (stale items pile up; the same schedule either way; tests set 0 to
+    rebuild it often)."""
     future = next_uses(requests)
     resident: dict[int, tuple[float, int]] = {}  # block id -> (next use, depth)
     heap: list[tuple[float, int, int]] = []  # (-next use, -depth, id): furthest, deepest first

@@ -332,7 +332,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # here, not at exit: a reader gone by then is a BrokenPipeError caught below
+        return code
     except KVStoreError as exc:
         print(f"kvstore {args.command}: {exc}", file=sys.stderr)
         return 2

@@ -103,6 +103,8 @@ def _timestamp(value) -> float:
         return float(value)
     except (TypeError, ValueError):
         raise ValueError(f"timestamp {json.dumps(value)} is not a number") from None
+    except OverflowError:  # an integer beyond any float
+        raise ValueError(f"timestamp {str(value)[:20]}... is too large for a number of milliseconds") from None
 
 
 def _json_type(value) -> str:

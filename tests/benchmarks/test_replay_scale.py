@@ -16,7 +16,7 @@ def load_script():
 
 
 @pytest.mark.parametrize("args, message", [
-    (("--policies", "lru,nope"), "unknown 'nope'; valid: adaptive, hit_density"),
+    (("--policies", "lru,nope"), "--policies: unknown 'nope'; valid: adaptive, hit_density"),
     (("--repeats", "0"), "--repeats must be at least 1, got 0"),
 ])
 def test_bad_arguments_are_refused_before_any_replay(capsys, monkeypatch, args, message):

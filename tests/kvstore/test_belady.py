@@ -75,8 +75,8 @@ def test_the_bound_is_never_below_the_exhaustive_optimum_with_partial_blocks(see
 @pytest.mark.parametrize("seed", range(4))
 def test_rebuilding_the_heap_changes_no_choice(seed):
     """The heap is rebuilt from the resident blocks once stale items pile up (4,096 beyond 4 a block:
-    only traces far larger than these reach it, the Mooncake trace among them). Rebuilt at every
-    chance, the schedule must be the one never rebuilt: before this test a rebuild that lost the
+    only traces far larger than these reach it, the Mooncake trace among them). Rebuilt as soon as
+    4 items a block are passed (a dozen times here), the schedule must be the one never rebuilt: before this test a rebuild that lost the
     deepest-first tie order moved the Mooncake bound at 3M tokens from 86.1% to 85.2% unseen."""
     rng = random.Random(seed)
     trees = [[c * 1000 + d for d in range(rng.randint(2, 12))] for c in range(40)]

@@ -21,6 +21,8 @@ def test_round_trip_and_partial_last_block(tmp_path):
     ('{"input_length": 10}', r"not a trace request \(no hash_ids\); expected keys input_length and hash_ids"),
     ('{"timestamp": 3}', r"not a trace request \(no input_length and no hash_ids\)"),
     ('{"timestamp": "noon", "input_length": 5, "hash_ids": [1]}', 'timestamp "noon" is not a number'),
+    ('{"timestamp": 1' + "0" * 400 + ', "input_length": 5, "hash_ids": [1]}',
+     r"timestamp 10{19}\.\.\. is too large for a number of milliseconds"),
     ('{"input_length": 10, "hash_ids": [-1]}', "non-negative"),
     ('{"input_length": 512, "hash_ids": [1, 2]}', "input_length 512 leaves the last of 2 hash ids without a token "
      r"at 512 tokens a block \(they need more than 512\); check that --block-tokens \(512\) is the trace's block size"),
@@ -60,7 +62,7 @@ def test_an_id_holding_two_token_counts_names_both_lines(tmp_path):
         read_trace(str(path))
 
 
-def test_a_partial_last_block_may_return_partial_or_under_an_unhashed_tail(tmp_path):
+def test_a_partial_last_block_may_return_partial_and_a_full_one_under_an_unhashed_tail(tmp_path):
     path = tmp_path / "t.jsonl"
     path.write_text('{"input_length": 600, "hash_ids": [1, 2]}\n{"input_length": 600, "hash_ids": [1, 2]}\n'
                     '{"input_length": 1500, "hash_ids": [1, 3]}\n{"input_length": 1024, "hash_ids": [1, 3]}\n')

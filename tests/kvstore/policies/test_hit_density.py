@@ -407,7 +407,7 @@ def test_a_re_stored_block_keeps_its_use_class_when_its_run_ends():
     assert policy.remembered(k(3))[0] == 2 * 1 + 1  # once used: a run of 2, the tail
 
 
-def test_keys_forgotten_unreferenced_count_as_ended_at_their_age():
+def test_every_key_forgotten_unreferenced_counts_as_ended():
     policy = HitDensityPolicy()
     policy.history_factor = policy._history_per_resident = 1
     for i in range(3000):  # 3000 one-off heads, 8 resident: the history keeps 8 + 1024
@@ -419,7 +419,7 @@ def test_keys_forgotten_unreferenced_count_as_ended_at_their_age():
     assert ended == 3000 - len(policy._history) and 1024 < len(policy._history) <= 9 + 1024  # its bound
 
 
-def test_densities_are_refit_every_half_of_the_resident_blocks_at_least_every_1024_stores(monkeypatch):
+def test_densities_are_refit_every_half_of_the_resident_blocks_and_never_within_1024_stores(monkeypatch):
     policy = HitDensityPolicy()
     refits = []
     fit = policy._reconfigure
