@@ -58,8 +58,9 @@ def check_window_count(count: int, requests: int) -> None:
 def split_windows(requests: Sequence[TraceRequest], hit_tokens: Sequence[int], max_hit_tokens: Sequence[int],
                   count: int, optimal_schedule_hit_tokens: Sequence[int] | None = None) -> list[ReplayWindow]:
     """``count`` windows of consecutive requests, as equal in size as whole requests allow (sizes
-    differ by one at most; the larger ones are spread along the trace, the last is one), from each request's hit tokens, its infinite-capacity maximum and, if
-    given, Belady's schedule's hits (``belady.belady_schedule``)."""
+    differ by one at most; the larger ones are spread along the trace, the last is one), from
+    each request's hit tokens, its infinite-capacity maximum and, if given, Belady's schedule's
+    hits (``belady.belady_schedule``)."""
     check_window_count(count, len(requests))
     optimal = optimal_schedule_hit_tokens
     if not len(requests) == len(hit_tokens) == len(max_hit_tokens) == len(optimal if optimal is not None else requests):
