@@ -10,8 +10,9 @@ gRPC server in the sidecar process, the ``kvstore.v1.BlockData`` service:
     ReadSlots (C++, data)        presents the token and a range of its slots; their bytes stream
                                  back in order, each chunk copied out of the mapped segment under
                                  the grant's lock after checking it is live; a stream that waits on
-                                 its client for stream_idle_timeout_s is ended, as Get's is, and a
-                                 connection without a stream that long is closed
+                                 its client for stream_idle_timeout_s, or longer in all than its
+                                 bytes pay for at min_stream_bytes_per_s, is ended, as Get's is, and
+                                 a connection without a stream that long is closed
     Release (Python, control)    revokes the grant (a running stream stops), then ends the lease;
                                  NOT_FOUND means the lease expired and the copies must be
                                  discarded (as for shm)
@@ -43,7 +44,7 @@ from kvstore.errors import InvalidRequest, KVStoreError
 
 log = logging.getLogger(__name__)
 
-ABI_VERSION = 6  # kvdp_abi_version() of the library these declarations match
+ABI_VERSION = 7  # kvdp_abi_version() of the library these declarations match
 GRANT_BYTES = 16
 MAX_CHUNK_BYTES = 16 << 20  # dataplane_native/server.cc: kMaxChunkBytes
 PROTOCOL_ERROR = -1  # kvdp_client_read: the stream's bytes did not fit the buffers
@@ -86,8 +87,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     c = ctypes
     lib.kvdp_server_start.restype = c.c_void_p
     lib.kvdp_server_start.argtypes = [c.c_char_p, c.c_char_p, c.c_char_p, c.c_char_p, c.c_char_p, c.c_uint32,
-                                      c.c_uint32, c.c_uint32, c.c_double, c.POINTER(c.c_int), c.c_char_p,
-                                      c.c_size_t]
+                                      c.c_uint32, c.c_uint32, c.c_double, c.c_double, c.POINTER(c.c_int),
+                                      c.c_char_p, c.c_size_t]
     lib.kvdp_server_grant.argtypes = [c.c_void_p, c.c_char_p, c.c_size_t, c.c_size_t, c.POINTER(c.c_uint64),
                                       c.POINTER(c.c_uint64), c.c_double, c.c_char_p, c.c_size_t]
     lib.kvdp_server_revoke.argtypes = [c.c_void_p, c.c_char_p, c.c_size_t]
@@ -147,19 +148,22 @@ class DataPlaneServer:
     ``kvstore-client`` metadata), a call is RESOURCE_EXHAUSTED naming the limit. A stream that waits
     on its client for ``stream_idle_timeout_s`` (no request sent, or a message not taken: a client
     that stops reading stalls the server's write) is ended DEADLINE_EXCEEDED, within a quarter of
-    that (10 ms to 1 s) after, and gives its place back; one whose write is stalled past its grant's
-    deadline is ended NOT_FOUND the same way. A connection with no stream for
+    that (10 ms to 1 s) after, and gives its place back; so is one whose waits together pass
+    ``stream_idle_timeout_s`` by more than a second per ``min_stream_bytes_per_s`` bytes it moved
+    (``limits.StreamPace``'s rule: a client taking a message just inside the idle timeout each time);
+    one whose write is stalled past its grant's deadline is ended NOT_FOUND the same way. A connection with no stream for
     ``stream_idle_timeout_s`` is closed (GOAWAY): one that opens none is never asked for the token."""
 
     def __init__(self, address: str, segment_path: str, *, tls: tuple[bytes, bytes] | None = None,
                  token: str | None = None, max_chunk_bytes: int = 1 << 20, max_streams: int = 16,
-                 max_streams_per_client: int = 8, stream_idle_timeout_s: float = 30.0):
+                 max_streams_per_client: int = 8, stream_idle_timeout_s: float = 30.0,
+                 min_stream_bytes_per_s: float = float(1 << 20)):
         lib = _require()
         if address.startswith("unix:") or ":" not in address:
             raise InvalidRequest(f"the data plane listens on HOST:PORT, got {address!r}")
         cert, key = (tls[0], tls[1]) if tls else (None, None)
         self._settings = (segment_path.encode(), cert, key, _cstr(token), max_chunk_bytes, max_streams,
-                          max_streams_per_client, stream_idle_timeout_s)
+                          max_streams_per_client, stream_idle_timeout_s, min_stream_bytes_per_s)
         self._lib = lib
         self._handle, self.port = self._start(address)
         self.host = address.rsplit(":", 1)[0]

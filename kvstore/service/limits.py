@@ -21,11 +21,12 @@ caller can tell which one to split around or raise. Defaults, and what they boun
     stream_idle_timeout_s     30.0    seconds a Get or Put stream (or the native data plane's
                                       ReadSlots) waits on its client for the next message (or to
                                       take one) before it fails DEADLINE_EXCEEDED
-    min_stream_bytes_per_s    1 MiB   a Get or Put stream's floor rate: all its waits on the client
-                                      together may exceed stream_idle_timeout_s by one second per
-                                      this many bytes moved, else it fails DEADLINE_EXCEEDED
-                                      (``StreamPace``: a client trickling a byte a message cannot
-                                      hold a transfer slot for ever)
+    min_stream_bytes_per_s    1 MiB   a Get, Put or ReadSlots stream's floor rate: all its waits
+                                      on the client together may exceed stream_idle_timeout_s by
+                                      one second per this many bytes moved, else it fails
+                                      DEADLINE_EXCEEDED (``StreamPace``; the data plane's own, C++,
+                                      for ReadSlots): a client trickling a byte a message cannot
+                                      hold a transfer slot for ever
 
 A client is what its ``kvstore-client`` metadata names (``KVStoreClient`` sends a random id per
 instance), else its connection's peer address.

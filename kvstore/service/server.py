@@ -231,7 +231,8 @@ def start_data_plane(address: str | None, store: TieredStore, limits: ServiceLim
                                  max_chunk_bytes=min(limits.max_chunk_bytes, dataplane.MAX_CHUNK_BYTES),
                                  max_streams=limits.max_concurrent_transfers,
                                  max_streams_per_client=limits.max_streams_per_client,
-                                 stream_idle_timeout_s=limits.stream_idle_timeout_s)
+                                 stream_idle_timeout_s=limits.stream_idle_timeout_s,
+                                 min_stream_bytes_per_s=limits.min_stream_bytes_per_s)
     log.info("native data plane on %s", bound_address(address, data_plane.port))
     return data_plane
 

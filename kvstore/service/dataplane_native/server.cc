@@ -15,10 +15,13 @@
 //
 // A stream holds one of the stream limits' places until it ends, so a client that stops reading
 // (HTTP/2 flow control then stalls the server's write: keepalive pings find dead peers only) or
-// never sends its request must not hold it for good. As on the Python Get and Put, a stream that
-// waits on its client for stream_idle_timeout_s is ended DEADLINE_EXCEEDED; one whose write is
-// stalled past its grant's deadline is ended NOT_FOUND. A reaper thread (Reaper, streams.h) finds
-// them; a stalled write never completes, so the reactor itself never runs to notice.
+// never sends its request must not hold it for good. As on the Python Get and Put (StreamPace), a
+// stream that waits on its client for stream_idle_timeout_s is ended DEADLINE_EXCEEDED, and so is
+// one whose waits together pass stream_idle_timeout_s by more than one second per
+// min_stream_bytes_per_s bytes it moved (a client that takes a message just inside the idle
+// timeout each time); one whose write is stalled past its grant's deadline is ended NOT_FOUND. A
+// reaper thread (Reaper, streams.h) finds them; a stalled write never completes, so the reactor
+// itself never runs to notice.
 //
 // The control plane stays in Python: GetSlots leases the blocks and registers a grant here (a
 // random token naming segment regions, valid until the lease ends or its TTL passes); each
@@ -109,7 +112,8 @@ class ReadSlotsReactor : public grpc::ServerGenericBidiReactor {
   void OnDone() override;
 
   // The status to end the stream with, if it has waited on its client for idle_timeout by now,
-  // or its write is stalled past its grant's deadline. Called by the reaper (any thread).
+  // or for longer in all than idle_timeout and its bytes' allowance (StreamPace's rule), or its
+  // write is stalled past its grant's deadline. Called by the reaper (any thread).
   std::optional<grpc::Status> overdue(Clock::time_point now, Clock::duration idle_timeout);
   grpc_call* call() const { return call_; }
 
@@ -119,19 +123,24 @@ class ReadSlotsReactor : public grpc::ServerGenericBidiReactor {
   void refuse(grpc::StatusCode code, const std::string& message);
   void write_next();
   void wait_on(Waiting what);  // before the operation starts: it may complete at once
+  void took(uint64_t nbytes);  // the client took a message of nbytes payload bytes
+  std::optional<grpc::Status> too_slow(Clock::time_point now, Clock::duration idle_timeout);
 
   DataPlaneServer* server_;
   grpc_call* call_;
   std::string client_;
   bool counted_ = false;  // holds one of the stream limits' places, and is reaped, until OnDone
-  std::mutex waiting_mutex_;  // waiting_on_ and waiting_since_: the callbacks write, the reaper reads
+  std::mutex waiting_mutex_;  // the four below: the callbacks write, the reaper reads
   Waiting waiting_on_ = Waiting::kNothing;
   Clock::time_point waiting_since_;
+  Clock::duration waited_{0};  // the waits on the client that ended
+  uint64_t moved_ = 0;  // payload bytes of the writes the client took
   grpc::ByteBuffer request_;
   grpc::ByteBuffer response_;
   std::shared_ptr<Grant> grant_;
   size_t end_ = 0;  // regions [region_, end_) of the grant remain
   uint32_t chunk_bytes_ = 0;
+  uint64_t writing_ = 0;  // payload bytes of the write in progress
   size_t region_ = 0;
   uint64_t offset_ = 0;
 };
@@ -146,10 +155,11 @@ std::string client_of(grpc::GenericCallbackServerContext* context) {
 class DataPlaneServer : public grpc::CallbackGenericService {
  public:
   DataPlaneServer(const uint8_t* base, size_t size, std::string bearer, uint32_t max_chunk_bytes,
-                  uint32_t max_streams, uint32_t max_streams_per_client, double stream_idle_timeout_s)
+                  uint32_t max_streams, uint32_t max_streams_per_client, double stream_idle_timeout_s,
+                  double min_stream_bytes_per_s)
       : streams(max_streams, max_streams_per_client),
         reaper(std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(stream_idle_timeout_s))),
-        idle_limit(idle_limit_name(stream_idle_timeout_s)), base_(base), size_(size), bearer_(std::move(bearer)),
+        idle_limit(idle_limit_name(stream_idle_timeout_s)), min_bytes_per_s(min_stream_bytes_per_s), base_(base), size_(size), bearer_(std::move(bearer)),
         max_chunk_bytes_(max_chunk_bytes) {}
 
   ~DataPlaneServer() override {
@@ -244,6 +254,7 @@ class DataPlaneServer : public grpc::CallbackGenericService {
   StreamLimits streams;
   Reaper<ReadSlotsReactor> reaper;
   const std::string idle_limit;  // "stream_idle_timeout_s=30", as the Python path's errors name it
+  const double min_bytes_per_s;  // min_stream_bytes_per_s: each second of waits past idle_limit costs this
   std::unique_ptr<grpc::Server> server;
   std::atomic<bool> shut_down{false};
 
@@ -295,8 +306,15 @@ void ReadSlotsReactor::refuse(grpc::StatusCode code, const std::string& message)
 
 void ReadSlotsReactor::wait_on(Waiting what) {
   std::lock_guard<std::mutex> lock(waiting_mutex_);
+  Clock::time_point now = Clock::now();
+  if (waiting_on_ != Waiting::kNothing) waited_ += now - waiting_since_;
   waiting_on_ = what;
-  waiting_since_ = Clock::now();
+  waiting_since_ = now;
+}
+
+void ReadSlotsReactor::took(uint64_t nbytes) {
+  std::lock_guard<std::mutex> lock(waiting_mutex_);
+  moved_ += nbytes;
 }
 
 std::optional<grpc::Status> ReadSlotsReactor::overdue(Clock::time_point now, Clock::duration idle_timeout) {
@@ -310,9 +328,26 @@ std::optional<grpc::Status> ReadSlotsReactor::overdue(Clock::time_point now, Clo
     return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
                         server_->idle_limit + ": the client took no ReadSlots message for that long; the stream is "
                                               "ended (read without pausing, or fewer slots per call)");
+  if (std::optional<grpc::Status> slow = too_slow(now, idle_timeout)) return slow;
   if (now >= grant_->deadline)  // grant_ was set before the first kWrite, under this mutex since
     return grpc::Status(grpc::StatusCode::NOT_FOUND, "the grant's lease ended during the stream: discard what arrived");
   return std::nullopt;
+}
+
+// StreamPace's rule (kvstore/service/limits.py), waiting_mutex_ held: the waits so far, the one
+// in progress included, may pass idle_timeout by one second per min_bytes_per_s bytes moved.
+std::optional<grpc::Status> ReadSlotsReactor::too_slow(Clock::time_point now, Clock::duration idle_timeout) {
+  double waited_s = std::chrono::duration<double>(waited_ + (now - waiting_since_)).count();
+  double allowed_s = std::chrono::duration<double>(idle_timeout).count() + moved_ / server_->min_bytes_per_s;
+  if (waited_s <= allowed_s) return std::nullopt;
+  char rate[32], waited[32];
+  std::snprintf(rate, sizeof rate, "%.0f", server_->min_bytes_per_s);
+  std::snprintf(waited, sizeof waited, "%.1f", waited_s);
+  return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
+                      std::string("min_stream_bytes_per_s=") + rate + ": the stream waited " + waited +
+                          " s on its client for " + std::to_string(moved_) + " bytes; waits past " +
+                          server_->idle_limit + " must be paid for at that rate (read faster, or fewer slots "
+                                                "per call)");
 }
 
 void ReadSlotsReactor::OnReadDone(bool ok) {
@@ -351,6 +386,7 @@ void ReadSlotsReactor::write_next() {
   slices[0] = grpc::Slice(header);
   response_ = grpc::ByteBuffer(slices, 2);
   offset_ += n;
+  writing_ = n;
   server_->counters.bytes += n;
   wait_on(Waiting::kWrite);
   StartWrite(&response_);
@@ -362,6 +398,7 @@ void ReadSlotsReactor::OnWriteDone(bool ok) {
     server_->counters.failed++;
     return Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the stream was cancelled"));
   }
+  took(writing_);
   write_next();
 }
 
@@ -388,18 +425,20 @@ using namespace kvdp;  // the C ABI below wraps the classes above
 extern "C" {
 
 // Bumped whenever a signature below changes: dataplane.py refuses a library of another version.
-int kvdp_abi_version() { return 6; }
+int kvdp_abi_version() { return 7; }
 
 // Starts a server on address (HOST:PORT, port 0 picks one) over the segment file at segment_path,
 // mapped read-only. cert_pem/key_pem: TLS (both or neither); bearer: required token, or NULL.
 // max_streams, max_streams_per_client: concurrent ReadSlots calls past which one is refused.
 // stream_idle_timeout_s: how long a stream may wait on its client (for its request, or for a
 // write to be taken) before it is ended DEADLINE_EXCEEDED, and a connection may go without a
-// stream before it is closed. Returns a handle and the bound port, or NULL with a message.
+// stream before it is closed; min_stream_bytes_per_s: all of a stream's waits may pass that by
+// one second per this many bytes it moved, else it is ended DEADLINE_EXCEEDED too. Returns a
+// handle and the bound port, or NULL with a message.
 void* kvdp_server_start(const char* address, const char* segment_path, const char* cert_pem, const char* key_pem,
                         const char* bearer, uint32_t max_chunk_bytes, uint32_t max_streams,
-                        uint32_t max_streams_per_client, double stream_idle_timeout_s, int* port, char* err,
-                        size_t errlen) {
+                        uint32_t max_streams_per_client, double stream_idle_timeout_s,
+                        double min_stream_bytes_per_s, int* port, char* err, size_t errlen) {
   if (max_chunk_bytes == 0 || max_chunk_bytes > kMaxChunkBytes) {
     set_error(err, errlen, "max_chunk_bytes must be in (0, 16 MiB]");
     return nullptr;
@@ -410,6 +449,10 @@ void* kvdp_server_start(const char* address, const char* segment_path, const cha
   }
   if (!(stream_idle_timeout_s > 0 && stream_idle_timeout_s <= kMaxTtlS)) {  // also refuses NaN
     set_error(err, errlen, "stream_idle_timeout_s must be in (0, 30 days]");
+    return nullptr;
+  }
+  if (!(min_stream_bytes_per_s > 0)) {  // also refuses NaN
+    set_error(err, errlen, "min_stream_bytes_per_s must be positive");
     return nullptr;
   }
   int fd = open(segment_path, O_RDONLY | O_CLOEXEC);
@@ -433,7 +476,8 @@ void* kvdp_server_start(const char* address, const char* segment_path, const cha
     return nullptr;
   }
   auto* server = new DataPlaneServer(static_cast<const uint8_t*>(base), st.st_size, bearer ? bearer : "",
-                                     max_chunk_bytes, max_streams, max_streams_per_client, stream_idle_timeout_s);
+                                     max_chunk_bytes, max_streams, max_streams_per_client, stream_idle_timeout_s,
+                                     min_stream_bytes_per_s);
   grpc::ServerBuilder builder;
   builder.AddListeningPort(address, server_credentials(cert_pem, key_pem), port);
   bound_transport(&builder, stream_idle_timeout_s);

@@ -123,3 +123,46 @@ def test_a_stream_whose_client_sends_no_request_ends_after_the_idle_timeout(stor
     finally:
         hold.set()
         data_plane.stop(0)
+
+
+@pytest.mark.parametrize("min_bytes_per_s, cut", [
+    pytest.param(1 << 30, True, id="floor-above-the-trickle"),
+    pytest.param(1 << 10, False, id="floor-below-the-trickle"),  # each 64 KiB message pays for 64 s of waits
+])
+def test_a_client_taking_a_message_just_inside_the_idle_timeout_is_held_to_the_floor_rate(store, min_bytes_per_s,
+                                                                                           cut):
+    """A client that takes one 64 KiB message every 0.4 s never waits out the 1 s idle timeout, but
+    its waits add up: past the idle timeout plus a second per min_stream_bytes_per_s bytes moved the
+    server ends the stream DEADLINE_EXCEEDED naming that limit (the Python Get's StreamPace rule),
+    and gives its place back. Under a floor its bytes pay for, the same trickle runs on."""
+    limits = ServiceLimits(stream_idle_timeout_s=1.0, min_stream_bytes_per_s=min_bytes_per_s,
+                           max_streams_per_client=1)
+    data_plane = start_data_plane("127.0.0.1:0", store, limits, None, None)
+    grant = data_plane.grant(1, [(0, SEGMENT_BYTES)] * 16, ttl_s=60)  # 256 MiB: never read to the end here
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{data_plane.port}", options=STALLING_CLIENT) as channel:
+            raw = channel.unary_stream(METHOD, response_deserializer=pb.SlotBytes.FromString)
+            request = pb.ReadSlotsRequest(grant=grant, chunk_bytes=64 << 10).SerializeToString()
+            stream = raw(request, metadata=[("kvstore-client", "a")], timeout=30)
+            start, received = time.monotonic(), 0
+            with pytest.raises(grpc.RpcError) as info:
+                for message in stream:
+                    received += len(message.data)
+                    if time.monotonic() - start > 6:
+                        stream.cancel()  # ran on: the floor allowed it
+                    time.sleep(0.4)
+            if cut:
+                assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, info.value.details()
+                assert f"min_stream_bytes_per_s={min_bytes_per_s}: the stream waited" in info.value.details()
+                assert "waits past stream_idle_timeout_s=1 must be paid for" in info.value.details()
+                assert time.monotonic() - start < 6
+                client = DataPlaneClient(f"127.0.0.1:{data_plane.port}", client_id="a")
+                try:
+                    wait_until(lambda: reads(client, data_plane.grant(2, [(0, 4096)], ttl_s=30)), within_s=5)
+                finally:
+                    client.close()
+            else:
+                assert info.value.code() == grpc.StatusCode.CANCELLED, info.value.details()
+            assert received < 16 * SEGMENT_BYTES
+    finally:
+        data_plane.stop(0)
