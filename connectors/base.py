@@ -108,8 +108,11 @@ class KVConnector(ABC):
 
     def demote(self, block_hash: bytes, page: int, pool: PageBytes, parent: bytes | None) -> None:
         """The device tier is about to reuse ``page`` (holding ``block_hash``): keep the block in
-        the store's lower tiers. Copies before returning; by default a one-block ``save``."""
+        the store's lower tiers. Copies before returning: by default a one-block ``save``, then
+        ``wait_copied`` (a ``save`` may copy later, and the page's next contents must not be stored
+        under this hash)."""
         self.save("device-eviction", [block_hash], [page], pool, parent)
+        self.wait_copied()
 
     def report_prefill(self, request_id: str, saved_tokens: int, computed_tokens: int) -> None:
         """The request's prefill is done: ``saved_tokens`` came from the store, ``computed_tokens``
