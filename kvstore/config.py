@@ -95,12 +95,28 @@ class DiskConfig:
     direct_io: bool = True  # O_DIRECT reads (with read-ahead) and appends (write-behind): no double caching
 
     def resolved_capacity(self) -> int:
+        """The configured capacity; auto: half the file system's free space, at most 1 TiB, where
+        the room the tier's directory already takes (its segments and index) counts as free. Else
+        a tier reopened full would get half of what it left free, and evict down to that at every
+        start."""
         if self.capacity_bytes is not None:
             return self.capacity_bytes
         probe = self.path
         while not os.path.exists(probe):
             probe = os.path.dirname(probe) or "."
-        return min(shutil.disk_usage(probe).free // 2, 1 << 40)
+        return min((shutil.disk_usage(probe).free + allocated_bytes(self.path)) // 2, 1 << 40)
+
+
+def allocated_bytes(directory: str) -> int:
+    """The bytes the files below ``directory`` take on disk (holes not counted; 0 if it is missing)."""
+    total = 0
+    for root, _, files in os.walk(directory):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_blocks * 512
+            except FileNotFoundError:  # removed meanwhile (a segment deleted by a running tier)
+                pass
+    return total
 
 
 @dataclass

@@ -77,6 +77,37 @@ def test_the_auto_host_capacity_fits_in_half_the_room_of_its_shared_memory_direc
         StoreConfig(host=HostConfig(shm_dir=shm, page_bytes=1 << 20), disk=None).open_store().close()
 
 
+def test_a_disk_tier_of_auto_size_reopened_full_keeps_its_size_and_its_blocks(tmp_path):
+    """The auto size is half the free space, and the room the tier's own files take counts as
+    free: before, a tier that filled its half reopened with half of what it had left free, and
+    evicted half its blocks at every start (a real tmpfs of 24 MiB, the store opened three times)."""
+    from kvstore.keys import namespace_hashes
+    from kvstore.layout import BlockSpec
+    from tests.conftest import payloads_for, tiny_namespace
+    from tests.kvstore.tiers.tmpfs import mounted_tmpfs
+
+    with mounted_tmpfs(str(tmp_path / "fs"), 24 << 20) as fs:
+        config = StoreConfig(host=None, disk=DiskConfig(path=f"{fs}/disk", segment_bytes=1 << 20, direct_io=False))
+        namespace = tiny_namespace()
+        spec, hashes = BlockSpec.of(namespace), namespace_hashes(namespace, list(range(4 * 4000)))
+        capacities, held = [], []
+        for start in range(3):
+            capacities.append(config.disk.resolved_capacity())
+            with config.open_store() as store:
+                ns_id = store.register_namespace(namespace)
+                held.append(store.stats().tiers[0].blocks)
+                if start == 0:  # fill it: more blocks than the tier holds
+                    for i in range(0, len(hashes), 100):
+                        store.put(ns_id, hashes[i:i + 100], payloads_for(spec, hashes[i:i + 100]),
+                                  parent=hashes[i - 1] if i else None)
+                    store.flush()
+                    full = store.stats().tiers[0]
+                    assert full.evictions > 0 and full.used_bytes > capacities[0] * 0.9
+                    held[0] = full.blocks
+        assert max(capacities) - min(capacities) < 256 << 10, capacities
+        assert held[1] == held[2] == held[0], held
+
+
 def test_open_store_builds_host_then_disk(tmp_path):
     cfg = StoreConfig(host=HostConfig(capacity_bytes=1 << 20, page_bytes=1 << 20, shm_dir=str(tmp_path), prefault=False),
                       disk=DiskConfig(path=str(tmp_path / "disk"), capacity_bytes=4 << 20))
