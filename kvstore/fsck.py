@@ -24,10 +24,13 @@ holds a shared lock meanwhile, so no tier opens the directory under it; it creat
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import struct
+import tempfile
 from dataclasses import asdict, dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 from rocksdict import AccessType, Options, Rdict
@@ -64,18 +67,35 @@ class FsckReport:
 
 
 def _read_index(index_dir: str) -> tuple[dict[bytes, tuple[int, int, int]], tuple[int, int] | None]:
-    """key -> (segment, offset, nbytes) and the committed tail, read-only."""
+    """key -> (segment, offset, nbytes) and the committed tail, read-only and writing nothing there."""
     entries: dict[bytes, tuple[int, int, int]] = {}
-    db = Rdict(index_dir, options=Options(raw_mode=True), access_type=AccessType.read_only())
-    try:
-        for raw_key, raw_value in db.items():
-            if raw_key.startswith(BLOCK_KEY_PREFIX) and len(raw_key) == 33:
-                segment, offset, nbytes = struct.unpack_from("<IQQ", raw_value)
-                entries[raw_key[1:]] = (segment, offset, nbytes)
-        tail = db.get(TAIL_KEY)
-    finally:
-        db.close()
+    with _shadow_of(index_dir) as shadow:
+        db = Rdict(shadow, options=Options(raw_mode=True), access_type=AccessType.read_only())
+        try:
+            for raw_key, raw_value in db.items():
+                if raw_key.startswith(BLOCK_KEY_PREFIX) and len(raw_key) == 33:
+                    segment, offset, nbytes = struct.unpack_from("<IQQ", raw_value)
+                    entries[raw_key[1:]] = (segment, offset, nbytes)
+            tail = db.get(TAIL_KEY)
+        finally:
+            db.close()
     return entries, (TAIL_VALUE.unpack(tail) if tail else None)
+
+
+@contextlib.contextmanager
+def _shadow_of(index_dir: str) -> Iterator[str]:
+    """A temporary directory of links to the index's files, to open the index read-only from:
+    rocksdict rewrites its ``rocksdict-config.json`` (and RocksDB its ``LOG``) even then, which
+    changed the tier under a check and failed it on a read-only file system ("index unreadable,
+    run --repair"). Those two are copied or left out; the rest are read through the links."""
+    with tempfile.TemporaryDirectory(prefix="kvstore-fsck-index-") as shadow:
+        for name in os.listdir(index_dir):
+            source = os.path.join(os.path.abspath(index_dir), name)
+            if name == "rocksdict-config.json":
+                shutil.copyfile(source, os.path.join(shadow, name))
+            elif name != "LOCK" and not name.startswith("LOG"):
+                os.symlink(source, os.path.join(shadow, name))
+        yield shadow
 
 
 def fsck(path: str, progress: ProgressFactory | None = None, repair: bool = False) -> FsckReport:

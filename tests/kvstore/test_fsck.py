@@ -2,6 +2,7 @@
 
 import os
 import shutil
+import subprocess
 
 import numpy as np
 import pytest
@@ -37,15 +38,36 @@ def _flip(path, offset):
         os.close(fd)
 
 
+def _files(directory) -> dict:
+    """Every file below ``directory``: its size, modification time and bytes."""
+    return {p: (p.stat().st_size, p.stat().st_mtime_ns, p.read_bytes()) for p in directory.rglob("*") if p.is_file()}
+
+
 def test_clean_tier_reports_clean_and_changes_nothing(disk_dir):
-    before = {p: p.stat().st_mtime_ns for p in (disk_dir / "segments").iterdir()}
+    """Nothing under the tier changes, the index's files included (rocksdict rewrote its
+    rocksdict-config.json at every open, read-only ones too, until session 28)."""
     os.unlink(disk_dir / "tier.lock")  # as a tier from before the lock left it: the check creates none
+    before = _files(disk_dir)
+    assert any(p.parent.name == "index" for p in before)
     report = fsck(str(disk_dir))
     assert report.clean and report.ok == report.indexed_blocks == 10
     assert (report.bad_entries, report.corrupt_records, report.orphans, report.missing_segments) == (0, 0, 0, 0)
-    assert before == {p: p.stat().st_mtime_ns for p in (disk_dir / "segments").iterdir()}
+    assert _files(disk_dir) == before
     assert sorted(os.listdir(disk_dir)) == ["index", "segments"]
     assert "status: clean" in format_report(report)
+
+
+def test_a_tier_on_a_read_only_file_system_checks_clean(disk_dir, tmp_path, capsys):
+    """Before, the check's open of the index failed there (rocksdict writes its config file even
+    when it opens read-only): "index is unreadable ... run with --repair", every block an orphan."""
+    with mounted_tmpfs(str(tmp_path / "ro"), 8 << 20) as mount:
+        tier_dir = shutil.copytree(disk_dir, os.path.join(mount, "disk"))
+        subprocess.run(["mount", "-o", "remount,ro", mount], check=True)
+        assert main(["fsck", tier_dir]) == 0
+        out, err = capsys.readouterr()
+        assert "status: clean" in out and "unreadable" not in out + err
+        report = fsck(tier_dir)
+        assert report.clean and report.ok == report.indexed_blocks == 10 and report.orphans == 0
 
 
 def test_flipped_payload_bit_is_found_and_repair_drops_only_that_block(disk_dir):
