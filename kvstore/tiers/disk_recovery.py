@@ -19,6 +19,7 @@ import resource
 
 from rocksdict import WriteBatch
 
+from kvstore.errors import InvalidRequest
 from kvstore.tiers.disk_files import (
     BLOCK_KEY_PREFIX, FORMAT_KEY, FORMAT_VERSION, NEXT_SEQ_KEY, NEXT_SEQ_VALUE, TAIL_KEY, TAIL_VALUE, IndexEntry,
     SegmentFile, newest_records, open_index, segment_name,
@@ -37,8 +38,13 @@ class DiskRecovery:
         return sorted(ids)
 
     def _recover(self) -> None:
+        stamped = self._db.get(FORMAT_KEY)
+        if stamped is not None and stamped != FORMAT_VERSION:  # another version's: its records would read as garbage
+            raise InvalidRequest(f"disk tier {self.path} holds format {stamped.decode(errors='replace')!r}, and "
+                                 f"this kvstore reads {FORMAT_VERSION.decode()!r}; left as it is: open it with the "
+                                 "kvstore that wrote it, or give this one another directory")
         on_disk = self._segment_ids_on_disk()
-        if self._db.get(FORMAT_KEY) is None:
+        if stamped is None:
             if on_disk:
                 self._rebuild_index(on_disk)
             self._db.put(FORMAT_KEY, FORMAT_VERSION)

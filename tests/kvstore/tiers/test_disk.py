@@ -111,6 +111,32 @@ def test_reopen_keeps_everything(open_tier, tmp_path):
     tier.check_integrity()
 
 
+def test_a_tier_of_another_format_version_is_refused_and_left_as_it_is(open_tier, tmp_path):
+    """Before, the stamp was only checked for presence: another version's tier opened as this one's,
+    its records read as garbage (checksum failures) and were punched out."""
+    from rocksdict import Options, Rdict
+
+    from kvstore.tiers.disk_files import FORMAT_KEY, FORMAT_VERSION
+
+    tier = open_tier()
+    for i in range(5):
+        assert put(tier, i)
+    tier.close()
+    index = Rdict(str(tmp_path / "disk" / "index"), options=Options(raw_mode=True))
+    index.put(FORMAT_KEY, b"kvstore-disk-9")
+    index.close()
+    segments = {p: p.read_bytes() for p in (tmp_path / "disk" / "segments").iterdir()}
+    with pytest.raises(InvalidRequest, match=r"holds format 'kvstore-disk-9', and this kvstore reads "
+                                             r"'kvstore-disk-1'; left as it is"):
+        open_tier()
+    assert {p: p.read_bytes() for p in (tmp_path / "disk" / "segments").iterdir()} == segments
+    index = Rdict(str(tmp_path / "disk" / "index"), options=Options(raw_mode=True))
+    index.put(FORMAT_KEY, FORMAT_VERSION)
+    index.close()
+    tier = open_tier()  # the directory was let go, and nothing in it was lost
+    assert tier.stats().blocks == 5 and all(reads_exact(tier, i) for i in range(5))
+
+
 def test_capacity_enforced_and_space_reclaimed(open_tier, tmp_path):
     tier = open_tier(capacity=10 * FP + FP // 2, segment_bytes=4 * FP)
     for i in range(10):
