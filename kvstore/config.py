@@ -33,6 +33,7 @@ from kvstore.lease import MAX_LEASED_BLOCKS
 from kvstore.policies import DEFAULT_POLICY, POLICIES
 from kvstore.store import WRITE_POLICIES, TieredStore
 from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.disk_files import allocated_bytes
 from kvstore.tiers.host import HostTier
 from kvstore.tiers.shm_segment import default_shm_dir
 
@@ -105,18 +106,6 @@ class DiskConfig:
         while not os.path.exists(probe):
             probe = os.path.dirname(probe) or "."
         return min((shutil.disk_usage(probe).free + allocated_bytes(self.path)) // 2, 1 << 40)
-
-
-def allocated_bytes(directory: str) -> int:
-    """The bytes the files below ``directory`` take on disk (holes not counted; 0 if it is missing)."""
-    total = 0
-    for root, _, files in os.walk(directory):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(root, name)).st_blocks * 512
-            except FileNotFoundError:  # removed meanwhile (a segment deleted by a running tier)
-                pass
-    return total
 
 
 @dataclass

@@ -139,6 +139,24 @@ class DirectoryLock:
         self.release()
 
 
+def allocated_bytes(directory: str) -> int:
+    """The bytes the files below ``directory`` take on disk (holes not counted; 0 if it is missing)."""
+    total = 0
+    for root, _, files in os.walk(directory):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_blocks * 512
+            except FileNotFoundError:  # removed meanwhile (a segment deleted by a running tier)
+                pass
+    return total
+
+
+def room_for_tier(path: str) -> int:
+    """The most a tier at ``path`` can take of its file system now: the free space and what its
+    files already take."""
+    return shutil.disk_usage(path).free + allocated_bytes(path)
+
+
 def open_index(index_dir: str) -> Rdict:
     """The tier's RocksDB index, created if missing (empty: the tier rebuilds it from the segments).
 

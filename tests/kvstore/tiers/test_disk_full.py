@@ -172,3 +172,24 @@ def test_a_write_refused_for_space_that_evictions_freed_in_the_books_only_frees_
     assert put(tier, 6), "the failed write gave back the evicted record's bytes"
     assert all(reads_exact(tier, i) for i in range(1, 7))
     tier.check_integrity()
+
+
+def test_a_capacity_above_what_the_file_system_can_give_is_warned_of_at_open(small_tmpfs, caplog):
+    """Such a tier fills its file system, and then its index cannot open again (RocksDB writes at
+    every open) until space is freed there: the open says so, naming both sizes. A tier that fits,
+    counting what it already holds as its own, opens without the warning."""
+    mount = small_tmpfs(8 << 20)
+    with caplog.at_level(logging.WARNING, logger="kvstore.tiers.disk"):
+        DiskTier(os.path.join(mount, "big"), 64 << 20, segment_bytes=4 * FP).close()
+    assert "its capacity, 64.0 MiB, is more than its file system can give it" in caplog.text
+    assert "with what the tier holds now" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvstore.tiers.disk"):
+        tier = DiskTier(os.path.join(mount, "fits"), 6 << 20, segment_bytes=4 * FP)
+        for i in range(200):
+            assert put(tier, i)
+        used = tier.used_bytes
+        tier.close()
+        assert used > shutil.disk_usage(mount).free  # more than the free space left beside it
+        DiskTier(os.path.join(mount, "fits"), 6 << 20, segment_bytes=4 * FP).close()
+    assert "more than its file system can give it" not in caplog.text
