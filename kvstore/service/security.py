@@ -20,6 +20,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import os
+import ssl
 
 import grpc
 
@@ -77,9 +78,26 @@ def read_tls(cert_file: str | None, key_file: str | None) -> tuple[bytes, bytes]
         raise InvalidRequest("TLS needs both --tls-cert and --tls-key")
     try:
         with open(cert_file, "rb") as cert, open(key_file, "rb") as key:
-            return cert.read(), key.read()
+            pair = cert.read(), key.read()
     except OSError as exc:
         raise InvalidRequest(f"cannot read TLS file {exc.filename!r}: {exc.strerror}") from None
+    check_tls_pair(cert_file, key_file)
+    return pair
+
+
+def check_tls_pair(cert_file: str, key_file: str) -> None:
+    """``InvalidRequest`` unless the files are a PEM certificate chain and its unencrypted private
+    key. gRPC would fail to listen, and say only "is the port in use?"."""
+    def encrypted() -> bytes:
+        raise InvalidRequest(f"the TLS key {key_file!r} is encrypted: give an unencrypted one (openssl pkey "
+                             "-in KEY -out PLAIN)")
+
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert_file, key_file, password=encrypted)
+    except ssl.SSLError as exc:
+        raise InvalidRequest(f"the TLS certificate {cert_file!r} and key {key_file!r} are not a PEM certificate "
+                             f"chain and its private key ({exc.reason or exc}): are they swapped, or of "
+                             "different pairs?") from None
 
 
 def server_credentials(tls: tuple[bytes, bytes]) -> grpc.ServerCredentials:

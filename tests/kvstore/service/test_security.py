@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+
 import grpc
 import numpy as np
 import pytest
@@ -102,6 +104,24 @@ def test_token_comes_from_a_file_and_an_empty_one_is_an_error(tmp_path):
     with pytest.raises(InvalidRequest, match="TLS needs both"):
         security.read_tls(str(token_file), None)
     assert security.load_token(None, None) is None
+
+
+def test_tls_files_that_are_no_certificate_and_its_key_are_named_at_start(tls_files, tmp_path):
+    """gRPC, given them, failed to listen and said only "is it in use?" (both ports)."""
+    cert, key = tls_files
+    assert security.read_tls(cert, key)[0].startswith(b"-----BEGIN CERTIFICATE-----")
+    with pytest.raises(InvalidRequest, match=r"the TLS certificate .*key.pem' and key .*cert.pem' are not a PEM "
+                                             r"certificate chain and its private key \(.*\): are they swapped"):
+        security.read_tls(key, cert)
+    other_key = tmp_path / "other.pem"
+    subprocess.run(["openssl", "genpkey", "-algorithm", "RSA", "-out", str(other_key)], check=True, capture_output=True)
+    with pytest.raises(InvalidRequest, match="KEY_VALUES_MISMATCH"):
+        security.read_tls(cert, str(other_key))
+    encrypted = tmp_path / "encrypted.pem"
+    subprocess.run(["openssl", "pkey", "-in", key, "-aes256", "-passout", "pass:x", "-out", str(encrypted)], check=True,
+                   capture_output=True)
+    with pytest.raises(InvalidRequest, match="is encrypted: give an unencrypted one"):
+        security.read_tls(cert, str(encrypted))
 
 
 def test_a_tenant_without_the_cache_salt_cannot_look_up_or_read_anothers_blocks(client):
