@@ -20,12 +20,14 @@ Exposure rules (token, TLS) are kvstore.service.security's.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import os
 import signal
 import socket
-from typing import Callable
+import stat
+from typing import Callable, Iterator
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -86,6 +88,7 @@ async def create_server(address: str, store: TieredStore, limits: ServiceLimits 
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
     reflection.enable_server_reflection((SERVICE_NAME, health_name, reflection.SERVICE_NAME), server)
+    refuse_a_served_unix_path(address)
     try:
         port = server.add_secure_port(address, security.server_credentials(tls)) if tls else \
             server.add_insecure_port(address)
@@ -102,11 +105,43 @@ def server_options(limits: ServiceLimits) -> list[tuple[str, int]]:
     return [*limits.channel_options(), *KEEPALIVE_OPTIONS, ("grpc.so_reuseport", 0)]
 
 
+def unix_path(address: str) -> str | None:
+    """The file of a ``unix:PATH`` or ``unix:///PATH`` address; None for ``HOST:PORT``."""
+    if not address.startswith("unix:"):
+        return None
+    return address[len("unix://"):] if address.startswith("unix://") else address[len("unix:"):]
+
+
+def refuse_a_served_unix_path(address: str) -> None:
+    """``InvalidRequest`` if ``address`` is a unix socket another process serves, or a file that is no
+    socket: gRPC removes whatever is at the path and binds anew, so a second sidecar took a running
+    one's socket from it (which went on running, unreachable). A socket nothing answers on (left
+    by a process that ended) is replaced."""
+    path = unix_path(address)
+    if path is None or not os.path.lexists(path):
+        return
+    if not stat.S_ISSOCK(os.lstat(path).st_mode):
+        raise InvalidRequest(f"cannot listen on {address!r}: {path} exists and is not a socket; give another "
+                             "unix:PATH or remove it")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(2.0)
+        try:
+            probe.connect(path)
+        except OSError:  # refused (stale), gone meanwhile, or timed out: nothing we would take from
+            return
+    raise InvalidRequest(f"cannot listen on {address!r}: another process serves that socket (a running sidecar?); "
+                         "stop it first or give another unix:PATH")
+
+
 def _bind_failure(address: str) -> str:
     """Why ``address`` cannot be bound (gRPC's error does not say): the OS's answer to a plain bind."""
-    if address.startswith("unix:"):
-        directory = os.path.dirname(address[len("unix:"):]) or "."
-        return "is it in use?" if os.path.isdir(directory) else f"the directory {directory} does not exist"
+    if (path := unix_path(address)) is not None:
+        directory = os.path.dirname(path) or "."
+        if not os.path.isdir(directory):
+            return f"the directory {directory} does not exist"
+        if not os.access(directory, os.W_OK | os.X_OK):
+            return f"this user may not create a socket in {directory}"
+        return "is it in use?"
     host, _, port = address.rpartition(":")
     if not port.isdigit():
         return "is it in use?"
@@ -169,12 +204,13 @@ async def serve(config: ServeConfig, store_config: StoreConfig, ready: Callable[
             http = HttpServer(app, config.http_address, (config.tls_cert, config.tls_key) if tls else None)
             url = await http.start()
             sampler = asyncio.create_task(dashboard.run())
-        await server.start()
-        serving.set()
-        ready(bound_address(config.address, port))
-        if http is not None:
-            http_ready(url)
-        await _signalled(signal.SIGTERM, signal.SIGINT)
+        with _stop_signals(signal.SIGTERM, signal.SIGINT) as stop:  # before the ready line: a SIGTERM
+            await server.start()  # right after it ends the sidecar gracefully too
+            serving.set()
+            ready(bound_address(config.address, port))
+            if http is not None:
+                http_ready(url)
+            await stop.wait()
         log.info("shutting down: %.1f s for in-flight calls", config.shutdown_grace_s)
         serving.clear()
         await health.enter_graceful_shutdown()
@@ -249,13 +285,16 @@ def _check_integrity(store) -> None:
         raise IntegrityCheckFailed(f"integrity check failed at shutdown: {exc}") from exc
 
 
-async def _signalled(*signals: signal.Signals) -> None:
+@contextlib.contextmanager
+def _stop_signals(*signals: signal.Signals) -> Iterator[asyncio.Event]:
+    """An event set by any of ``signals`` while the block runs; outside it they act as before (a
+    second SIGTERM during the shutdown's grace ends the process at once)."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in signals:
         loop.add_signal_handler(sig, stop.set)
     try:
-        await stop.wait()
+        yield stop
     finally:
         for sig in signals:
             loop.remove_signal_handler(sig)

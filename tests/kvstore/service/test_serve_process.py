@@ -4,7 +4,9 @@ and the disk tier holds what was put when a new store opens it."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import urllib.request
@@ -79,6 +81,17 @@ def test_serve_takes_traffic_then_sigterm_exits_cleanly_and_disk_persists(tmp_pa
         dsts = [np.zeros(spec.block_bytes, np.uint8) for _ in range(3)]
         assert store.load(ns_id, chain[:3], dsts).complete
         assert all(np.array_equal(d, p) for d, p in zip(dsts, payloads))
+
+
+def test_a_sigterm_right_after_the_listening_line_shuts_down_gracefully(tmp_path):
+    """The ready line came before the signal handlers: a supervisor's SIGTERM just after it killed
+    the sidecar without its shutdown (exit -15, the store not closed)."""
+    flags = ("--http-address", "off", "--data-address", "off", "--host-capacity", "4MiB", "--disk-capacity", "0")
+    for _ in range(3):
+        process, _, _ = start_serving("--address", "127.0.0.1:0", *flags, env={"KVSTORE_SHM_DIR": str(tmp_path)})
+        process.terminate()
+        assert process.wait(30) == 0, process.stderr.read()
+    assert not list(tmp_path.glob("kvstore-*")), "every sidecar removed its shared-memory segment"
 
 
 def test_serve_refuses_a_bad_address_with_a_message(tmp_path):
@@ -185,6 +198,58 @@ def test_a_second_sidecar_on_a_taken_port_fails_instead_of_sharing_it(tmp_path):
     assert (second.returncode, second.stdout) == (2, "")
     assert f"kvstore serve: cannot listen on '{address}': address in use;" in second.stderr
     assert "Traceback" not in second.stderr
+
+
+def test_a_second_sidecar_on_a_served_unix_socket_fails_instead_of_taking_it(tmp_path):
+    """gRPC removes whatever is at a unix:PATH and binds anew: the second sidecar took the socket,
+    and the first ran on, unreachable. A socket nothing answers on is still taken over."""
+    socket_path = tmp_path / "kv.sock"
+    flags = ("--http-address", "off", "--data-address", "off", "--host-capacity", "4MiB", "--disk-capacity", "0")
+    env = {**os.environ, "PYTHONPATH": REPO, "KVSTORE_SHM_DIR": str(tmp_path)}
+    first, address, _ = start_serving("--address", f"unix:{socket_path}", *flags, env={"KVSTORE_SHM_DIR": str(tmp_path)})
+    try:
+        second = subprocess.run([sys.executable, "-m", "kvstore.cli", "serve", "--address", address, *flags],
+                                capture_output=True, text=True, timeout=60, env=env)
+        with grpc.insecure_channel(address) as channel:  # the first still answers on its socket
+            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        first.terminate()
+        first.wait(30)
+    assert (second.returncode, second.stdout) == (2, "")
+    assert f"cannot listen on '{address}': another process serves that socket (a running sidecar?)" in second.stderr
+    stale = tmp_path / "stale.sock"  # a socket file nothing listens on, as a killed process leaves
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as gone:
+        gone.bind(str(stale))
+    third, _, _ = start_serving("--address", f"unix:{stale}", *flags, env={"KVSTORE_SHM_DIR": str(tmp_path)})
+    third.terminate()  # it listened there (start_serving read its line)
+    assert third.wait(30) == 0
+
+
+def test_a_unix_path_that_is_a_file_is_refused_and_left_alone(tmp_path):
+    path = tmp_path / "notes.txt"
+    path.write_text("mine")
+    done = subprocess.run([sys.executable, "-m", "kvstore.cli", "serve", "--address", f"unix:{path}", "--http-address",
+                           "off", "--data-address", "off", "--host-capacity", "4MiB", "--disk-capacity", "0"],
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": REPO, "KVSTORE_SHM_DIR": str(tmp_path)})
+    assert done.returncode == 2 and f"{path} exists and is not a socket" in done.stderr, done.stderr
+    assert path.read_text() == "mine"
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="drops root's file-access capabilities")
+def test_a_unix_socket_in_a_directory_the_user_may_not_write_names_that_cause(tmp_path):
+    """Root without CAP_DAC_OVERRIDE stands in for a user without the right. Before, it read
+    'is it in use?'."""
+    directory = tmp_path / "locked"
+    directory.mkdir(mode=0o555)
+    done = subprocess.run(["setpriv", "--bounding-set=-dac_override,-dac_read_search", sys.executable, "-m",
+                           "kvstore.cli", "serve", "--address", f"unix:{directory}/kv.sock", "--http-address", "off",
+                           "--data-address", "off", "--host-capacity", "4MiB", "--disk-capacity", "0"],
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": REPO, "KVSTORE_SHM_DIR": str(tmp_path)})
+    assert done.returncode == 2, done.stderr
+    assert f"this user may not create a socket in {directory}" in done.stderr
 
 
 def test_the_server_pings_its_clients_to_find_vanished_hosts():
