@@ -75,6 +75,11 @@ class DemoConfig:
     seed: int = 0
     sidecar: str | None = None  # HOST:PORT or unix:PATH of a kvstore sidecar; None: an in-process store
 
+    def __post_init__(self) -> None:
+        if self.long_prompt_tokens < 2 * PAGE:  # a cached document of whole pages and a new suffix
+            raise InvalidRequest(f"long_prompt_tokens (--long-prompt-tokens) must be at least {2 * PAGE}: a cached "
+                                 f"document of whole {PAGE}-token pages and a new suffix; got {self.long_prompt_tokens}")
+
     @classmethod
     def quick(cls, **overrides) -> "DemoConfig":
         """A tiny model and short prompts: seconds instead of minutes (tests, smoke runs)."""

@@ -48,7 +48,7 @@ def _demo_config(args: argparse.Namespace):
 
     sizes = dict(host_capacity=parse_size(args.host_capacity), disk_capacity=parse_size(args.disk_capacity),
                  data_dir=args.data_dir, v32=args.v32, sidecar=args.sidecar)
-    if args.long_prompt_tokens:
+    if args.long_prompt_tokens is not None:
         sizes["long_prompt_tokens"] = args.long_prompt_tokens
     return DemoConfig.quick(**sizes) if args.quick else DemoConfig(**sizes)
 
@@ -83,11 +83,12 @@ def _run_with_sidecar(args: argparse.Namespace, data_dir: str, say) -> int:
 
     with LocalSidecar(data_dir, args.host_capacity, args.disk_capacity, http_address=args.http_address) as sidecar:
         temporary = " (temporary: removed at the end; --data-dir keeps one)" if args.data_dir is None else ""
-        say(f"sidecar: gRPC on {sidecar.address}, disk tier in {data_dir}{temporary}")
-        say(f"dashboard: {sidecar.url}  (live while the demo runs; metrics at {sidecar.url}metrics)")
+        say(f"sidecar: gRPC on {sidecar.address}, disk tier in {os.path.join(data_dir, 'disk')}{temporary}")
+        if sidecar.url is not None:  # None: --http-address off
+            say(f"dashboard: {sidecar.url}  (live while the demo runs; metrics at {sidecar.url}metrics)")
         args.sidecar = sidecar.address
         code = _cmd_demo(args)
-        if sys.stdin.isatty() and not args.json:
+        if sidecar.url is not None and sys.stdin.isatty() and not args.json:
             say(f"the sidecar keeps serving the dashboard at {sidecar.url}; press Ctrl-C to stop it")
             try:
                 sidecar.process.wait()
@@ -257,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
         demo.add_argument("--json", action="store_true", help="print one JSON object (the table goes to stderr)")
         demo.add_argument("--quick", action="store_true", help="a tiny model and short prompts (seconds)")
         demo.add_argument("--v32", action="store_true", help="DeepSeek-V3.2-shaped model with the DSA indexer")
-        demo.add_argument("--long-prompt-tokens", type=int, help="long-prompt case length (default 4096)")
+        demo.add_argument("--long-prompt-tokens", type=int, help="long-prompt case length in tokens, at least 128 (default 4096; 1024 with --quick)")
         demo.add_argument("--data-dir", help="store directory (default: a fresh temporary directory)")
         demo.add_argument("--host-capacity", default="512MiB", help="host tier size (default 512MiB)")
         demo.add_argument("--disk-capacity", default="4GiB", help="disk tier size (default 4GiB)")

@@ -18,8 +18,10 @@ def kvstore(*args, env=None, timeout=180):
 
 
 def test_run_is_the_engine_demo_and_reports_json(tmp_path):
-    done = kvstore("run", "--quick", "--json", "--data-dir", str(tmp_path))
+    done = kvstore("run", "--quick", "--json", "--data-dir", str(tmp_path), "--http-address", "off")
     assert done.returncode == 0, done.stderr
+    assert f"disk tier in {tmp_path / 'disk'}" in done.stderr  # it said DIR, and fsck DIR found no tier there
+    assert "dashboard" not in done.stderr and "None" not in done.stderr  # it printed 'dashboard: None
     result = json.loads(done.stdout)
     assert result["outputs_identical"] is True and result["prefill_tokens_reused"] > 0
     for key in ("prefill_tokens_computed", "ttft_cold_s", "ttft_hit_s", "ttft_resident_s", "model_config"):
@@ -330,3 +332,12 @@ def test_a_closed_pipe_ends_the_command_quietly(tmp_path, read_first):
     gen.stdout.close()
     _, err = gen.communicate(timeout=120)
     assert gen.returncode == 141 and err == b""
+
+
+@pytest.mark.parametrize("tokens", ["0", "-5", "10", "127"])
+def test_a_long_prompt_too_short_for_a_cached_page_and_a_suffix_is_refused(capsys, tokens):
+    """Before: 0 was taken for the default, -5 and 10 ended in a traceback (a negative tensor
+    dimension; an empty prompt)."""
+    code, out, err = run_main(capsys, "demo", "--quick", "--long-prompt-tokens", tokens)
+    assert (code, out) == (2, "")
+    assert "--long-prompt-tokens) must be at least 128" in err and f"got {tokens}" in err
