@@ -88,6 +88,18 @@ class DemoConfig:
                           **overrides})
 
 
+def sidecar_refusal(target: str, exc) -> str:
+    """What to do when the sidecar at ``target`` answered the demo's first call with ``exc`` (a
+    ``grpc.RpcError``): the token or the TLS trust the sidecar asks for, or a sidecar to start."""
+    code, details = exc.code().name, exc.details() or ""
+    if code == "UNAUTHENTICATED":
+        return (f"the kvstore sidecar at {target} refused the demo's calls (UNAUTHENTICATED: {details}): set "
+                "KVSTORE_TOKEN or KVSTORE_TOKEN_FILE to the token it was started with")
+    return (f"no kvstore sidecar answers at {target} ({code}: {details}): start one with `kvstore serve`, or leave "
+            "out --sidecar for an in-process store; a sidecar that serves TLS needs KVSTORE_TLS_CA set to its "
+            "certificate")
+
+
 def model_config(cfg: DemoConfig) -> ModelConfig:
     """A DeepSeek-V3(.2)-shaped config with the real MLA widths (latent 512, rope 64)."""
     hf = dict(vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.hidden * 11 // 4,
@@ -140,8 +152,7 @@ class _Demo:
                 connector.stats()  # the demo reads the sidecar's tier counters after every request
             except grpc.RpcError as exc:
                 connector.close()
-                raise InvalidRequest(f"no kvstore sidecar answers at {self.cfg.sidecar} ({exc.code().name}): "
-                                     "start one with `kvstore serve`, or leave out --sidecar for an in-process store") from None
+                raise InvalidRequest(sidecar_refusal(self.cfg.sidecar, exc)) from None
             return connector
         return StoreConnector(self.store, self.namespace, load_timeout_s=load_timeout_from())
 

@@ -14,11 +14,11 @@ from kvstore.service.staging import StagingArea
 
 
 class Sidecar:
-    """With a staging area for shared-memory puts unless ``staging=False``, and the native data plane
-    with ``data_plane=True``; ``metrics`` records its traffic."""
+    """With a staging area for shared-memory puts unless ``staging=False``, the native data plane
+    with ``data_plane=True`` and a bearer token with ``token``; ``metrics`` records its traffic."""
 
     def __init__(self, store, limits: ServiceLimits = ServiceLimits(), address: str = "127.0.0.1:0",
-                 staging: bool = True, data_plane: bool = False):
+                 staging: bool = True, data_plane: bool = False, token: str | None = None):
         self.store = store
         self.metrics = ServiceMetrics(store)
         self.staging = StagingArea(8 << 20, page_bytes=1 << 20) if staging else None
@@ -27,7 +27,7 @@ class Sidecar:
         self._thread.start()
         self.data_plane = start_data_plane("127.0.0.1:0", store, limits, None, None) if data_plane else None
         self.server, port = self._run(create_server(address, store, limits, metrics=self.metrics,
-                                                    staging=self.staging, data_plane=self.data_plane))
+                                                    staging=self.staging, data_plane=self.data_plane, token=token))
         self._run(self.server.start())
         self.target = address if address.startswith("unix:") else f"127.0.0.1:{port}"
 

@@ -77,9 +77,25 @@ def test_a_demo_pointed_at_no_sidecar_says_so_before_it_starts():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     lines = []
-    with pytest.raises(InvalidRequest, match=f"no kvstore sidecar answers at 127.0.0.1:{port}"):
+    with pytest.raises(InvalidRequest, match=f"no kvstore sidecar answers at 127.0.0.1:{port} \\(UNAVAILABLE: .*\\): "
+                                             "start one with `kvstore serve`.*needs KVSTORE_TLS_CA"):
         run_demo(DemoConfig.quick(sidecar=f"127.0.0.1:{port}"), lines.append)
     assert not any("chat" in line for line in lines), "no request ran"
+
+
+def test_a_demo_without_the_sidecars_token_is_told_to_set_it(make_store, monkeypatch):
+    """Before, it read 'no kvstore sidecar answers ... start one with kvstore serve'."""
+    from tests.connectors.sidecar_server import Sidecar
+
+    monkeypatch.delenv("KVSTORE_TOKEN", raising=False)
+    monkeypatch.delenv("KVSTORE_TOKEN_FILE", raising=False)
+    sidecar = Sidecar(make_store(host_bytes=8 << 20, page_bytes=256 << 10), token="s3cret")
+    try:
+        with pytest.raises(InvalidRequest, match=rf"the kvstore sidecar at {sidecar.target} refused the demo's calls "
+                                                 r"\(UNAUTHENTICATED: .*\): set KVSTORE_TOKEN or KVSTORE_TOKEN_FILE"):
+            run_demo(DemoConfig.quick(sidecar=sidecar.target), lambda s: None)
+    finally:
+        sidecar.stop()
 
 
 def test_a_demo_whose_store_cannot_open_leaves_no_temporary_directory(tmp_path, monkeypatch):
