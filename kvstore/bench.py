@@ -27,7 +27,7 @@ from kvstore.keys import Namespace, namespace_hashes, native_hashing
 from kvstore.layout import DEEPSEEK_NUM_LAYERS, DEEPSEEK_V32_COMPONENTS, BlockSpec
 from kvstore.store import TieredStore
 from kvstore.tiers.disk import DiskTier
-from kvstore.tiers.host import HostTier
+from kvstore.tiers.host import DEFAULT_PAGE_BYTES, HostTier
 
 TARGETS = {
     "host_load_vs_memcpy": (">=", 0.8),
@@ -86,6 +86,12 @@ def _timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
+def whole_pages(nbytes: int, page_bytes: int = DEFAULT_PAGE_BYTES) -> int:
+    """``nbytes`` rounded up to whole host-tier pages (a capacity with a part page left over is
+    warned of, and the part is unused)."""
+    return -(-nbytes // page_bytes) * page_bytes
+
+
 def bench_host(cfg: BenchConfig, payloads: list[np.ndarray], ns: Namespace, shm_dir: str) -> dict:
     spec = BlockSpec.of(ns)
     hashes = namespace_hashes(ns, np.arange(cfg.blocks * spec.block_size) % 129280)
@@ -93,7 +99,7 @@ def bench_host(cfg: BenchConfig, payloads: list[np.ndarray], ns: Namespace, shm_
     total = spec.block_bytes * cfg.blocks
     memcpy, put, load = [], [], []
     for _ in range(cfg.repeats):
-        store = TieredStore([HostTier(int(total * 1.1) + (64 << 20), shm_dir=shm_dir)])
+        store = TieredStore([HostTier(whole_pages(int(total * 1.1) + (64 << 20)), shm_dir=shm_dir)])
         try:
             ns_id = store.register_namespace(ns)
             memcpy.append(ceilings.memcpy_seconds(payloads, dsts))
