@@ -144,7 +144,8 @@ class StoreConfig:
             if ENV_PREFIX + key in env:
                 setattr(target, name, read_setting(env, ENV_PREFIX + key, parse))
         values = {name: read_setting(env, ENV_PREFIX + key, parse)
-                  for name, key, parse in (("policy", "POLICY", str), ("write_policy", "WRITE_POLICY", str),
+                  for name, key, parse in (("policy", "POLICY", one_of(POLICIES)),
+                                           ("write_policy", "WRITE_POLICY", one_of(WRITE_POLICIES)),
                                            ("promote_on_hit", "PROMOTE_ON_HIT", parse_bool))
                   if ENV_PREFIX + key in env}
         values.update({k: v for k, v in overrides.items() if v is not None})
@@ -171,6 +172,15 @@ class StoreConfig:
         return TieredStore(tiers, policy=self.policy, write_policy=self.write_policy,
                            promote_on_hit=self.promote_on_hit, max_leases=self.max_leases,
                            max_leased_blocks=self.max_leased_blocks)
+
+
+def one_of(choices) -> Callable[[str], str]:
+    """A parser of one of ``choices`` (``InvalidRequest`` naming them otherwise)."""
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise InvalidRequest(f"must be one of {sorted(choices)}, got {text!r}")
+        return text
+    return parse
 
 
 def parse_bool(text: str) -> bool:

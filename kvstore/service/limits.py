@@ -44,7 +44,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 from typing import Iterator, Mapping
 
-from kvstore.config import ENV_PREFIX, parse_seconds, parse_size, read_setting
+from kvstore.config import ENV_PREFIX, Settings, parse_seconds, parse_size, read_setting
 from kvstore.errors import InvalidRequest, KVStoreError, NotPermitted, UnknownLease
 
 MESSAGE_OVERHEAD_BYTES = 1 << 10  # room for a chunk's index, offset and framing
@@ -92,8 +92,13 @@ class ServiceLimits:
         sidecar and the connectors configured by the same environment read them alike, so an
         engine never sends a batch its sidecar was told to refuse."""
         env = os.environ if environ is None else environ
-        return cls(**{f.name: read_setting(env, key, parse_seconds if f.type == "float" else parse_size)
-                      for f in fields(cls) if (key := ENV_PREFIX + f.name.upper()) in env})
+        given = [(f, key) for f in fields(cls) if (key := ENV_PREFIX + f.name.upper()) in env]
+        values = {f.name: read_setting(env, key, _positive(parse_seconds if f.type == "float" else parse_size))
+                  for f, key in given}
+        try:
+            return cls(**values)
+        except InvalidRequest as exc:  # a rule between fields (a message fits in max_message_bytes)
+            raise InvalidRequest(f"{' and '.join(_origin(env, key) for _, key in given)}: {exc}") from None
 
     def check_blocks(self, name: str, count: int) -> None:
         """Raise ``LimitExceeded`` if ``count`` blocks in one call exceed the limit ``name``."""
@@ -133,6 +138,21 @@ class ServiceLimits:
         round through the event loop, so a tiny size is raised instead of sending a byte a message."""
         floor = min(MIN_CHUNK_BYTES, self.max_chunk_bytes)
         return max(min(requested or self.max_chunk_bytes, self.max_chunk_bytes), floor)
+
+
+def _positive(parse):
+    """``parse``, then ``InvalidRequest`` unless the value is positive and finite."""
+    def read(text: str):
+        value = parse(text)
+        if not (value > 0 and math.isfinite(value)):
+            raise InvalidRequest(f"must be positive and finite, got {value}")
+        return value
+    return read
+
+
+def _origin(env: Mapping[str, str], key: str) -> str:
+    """Where ``key`` was set: its config file's key if ``env`` remembers one, else the variable."""
+    return env.origin(key) if isinstance(env, Settings) else key
 
 
 class StreamPace:

@@ -42,8 +42,8 @@ def test_zero_capacity_disables_a_tier():
 
 
 @pytest.mark.parametrize("env, message", [
-    ({"KVSTORE_POLICY": "fifo"}, "policy must be one of"),
-    ({"KVSTORE_WRITE_POLICY": "sometimes"}, "write_policy must be one of"),
+    ({"KVSTORE_POLICY": "fifo"}, "KVSTORE_POLICY: must be one of"),
+    ({"KVSTORE_WRITE_POLICY": "sometimes"}, "KVSTORE_WRITE_POLICY: must be one of"),
     ({"KVSTORE_DURABLE": "maybe"}, "boolean"),
     ({"KVSTORE_HOST_CAPACITY": "0", "KVSTORE_DISK_CAPACITY": "0"}, "at least one"),
 ])
@@ -128,3 +128,11 @@ def test_a_value_that_cannot_be_read_is_refused_naming_its_variable(key, value, 
     variables held it was left to guess."""
     with pytest.raises(InvalidRequest, match=f"^{key}: cannot read '{value}' {reading}"):
         StoreConfig.from_env({key: value})
+
+
+def test_a_policy_not_among_the_choices_is_refused_naming_where_it_was_set():
+    with pytest.raises(InvalidRequest, match=r"^KVSTORE_POLICY: must be one of \['adaptive', .*\], got 'foo'$"):
+        StoreConfig.from_env({"KVSTORE_POLICY": "foo"})
+    with pytest.raises(InvalidRequest, match=r"^write_policy in store.toml: must be one of \['on_eviction', "
+                                             r"'write_through'\], got 'writethrough'$"):
+        StoreConfig.from_env(as_environment({"write_policy": "writethrough"}, "store.toml"))

@@ -8,6 +8,8 @@ import pytest
 
 from kvstore.errors import InvalidRequest
 from kvstore.service.config import ServeConfig
+from kvstore.service.config_file import as_environment
+from kvstore.service.limits import ServiceLimits
 
 
 @pytest.mark.parametrize("staging_bytes", [1, 1000, 4095])
@@ -36,6 +38,20 @@ def test_a_value_that_cannot_be_read_is_refused_naming_its_variable(key, value, 
     """Before, "cannot read '30s' as seconds" left the operator to guess which setting held it."""
     with pytest.raises(InvalidRequest, match=f"^{key}: cannot read '{value}' {reading}"):
         ServeConfig.from_env({key: value})
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"KVSTORE_MAX_TRANSFER_BLOCKS": "0"}, "^KVSTORE_MAX_TRANSFER_BLOCKS: must be positive and finite, got 0$"),
+    ({"KVSTORE_STREAM_IDLE_TIMEOUT_S": "-5"}, "^KVSTORE_STREAM_IDLE_TIMEOUT_S: must be positive and finite, got -5.0$"),
+    ({"KVSTORE_MAX_MESSAGE_BYTES": "1MiB"}, r"^KVSTORE_MAX_MESSAGE_BYTES: max_message_bytes \(1048576\) must exceed"),
+    (as_environment({"max_transfer_blocks": 0}, "serve.toml"),
+     "^max_transfer_blocks in serve.toml: must be positive and finite, got 0$"),
+])
+def test_a_readable_value_a_limit_refuses_names_where_it_was_set(settings, message):
+    """Before, these named the field only ("max_transfer_blocks must be positive ..."), not the
+    variable or the config file's key that held the value."""
+    with pytest.raises(InvalidRequest, match=message):
+        ServiceLimits.from_env(settings)
 
 
 @pytest.mark.parametrize("name, value, problem", [
