@@ -104,7 +104,7 @@ def fsck(path: str, progress: ProgressFactory | None = None, repair: bool = Fals
     and, with ``repair``, ``OSError`` naming the cause if the tier cannot be opened for a reason
     outside it (no space left, a read-only file system...: ``open_index``), having changed nothing."""
     if not os.path.isdir(os.path.join(path, "segments")):
-        raise InvalidRequest(f"{path} is not a kvstore disk tier directory (no segments/ inside)")
+        raise InvalidRequest(_not_a_tier(path))
     report = FsckReport(path=os.path.abspath(path))
     if repair:
         report.repaired_entries = _repair(path, progress)
@@ -114,6 +114,17 @@ def fsck(path: str, progress: ProgressFactory | None = None, repair: bool = Fals
     finally:
         lock.release()
     return report
+
+
+def _not_a_tier(path: str) -> str:
+    """Why ``path`` is no disk tier directory, and where the tier may be."""
+    if not os.path.exists(path):
+        return f"{path} does not exist; give a disk tier's directory (DATA_DIR/disk)"
+    if not os.access(path, os.R_OK | os.X_OK):
+        return f"{path} cannot be read by this user; run as the tier's owner"
+    if os.path.isdir(os.path.join(path, "disk", "segments")):
+        return f"{path} is not a kvstore disk tier directory, but holds one: did you mean {os.path.join(path, 'disk')}?"
+    return f"{path} is not a kvstore disk tier directory (no segments/ inside)"
 
 
 def _load_index(path: str, report: FsckReport) -> tuple[dict[bytes, tuple[int, int, int]], tuple[int, int] | None]:

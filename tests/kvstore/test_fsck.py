@@ -3,6 +3,7 @@
 import os
 import shutil
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -16,6 +17,9 @@ from kvstore.tiers.segment import HEADER_BYTES, scan_segment
 from tests.conftest import payloads_for
 from tests.kvstore.tiers.disk_helpers import TierOwner, reads_exact
 from tests.kvstore.tiers.tmpfs import mounted_tmpfs
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture
@@ -102,9 +106,30 @@ def test_progress_callback_sees_every_byte(disk_dir):
     assert total == os.path.getsize(disk_dir / "segments" / "00000001.seg") and advanced == total
 
 
-def test_not_a_disk_tier_is_a_clear_error(tmp_path):
-    with pytest.raises(InvalidRequest, match="not a kvstore disk tier"):
-        fsck(str(tmp_path))
+def test_not_a_disk_tier_is_a_clear_error(tmp_path, disk_dir):
+    """A data directory (as `kvstore run --data-dir` and `serve --data-dir` take) points at its tier;
+    a missing path says so (both said only "not a kvstore disk tier directory")."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(InvalidRequest, match=r"not a kvstore disk tier directory \(no segments/ inside\)"):
+        fsck(str(empty))
+    with pytest.raises(InvalidRequest, match=f"but holds one: did you mean {disk_dir}\\?"):
+        fsck(str(disk_dir.parent))
+    with pytest.raises(InvalidRequest, match="missing does not exist; give a disk tier's directory"):
+        fsck(str(tmp_path / "missing"))
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="drops root's file-access capabilities")
+def test_a_tier_the_user_may_not_read_is_named_as_such(disk_dir):
+    """Root without CAP_DAC_OVERRIDE stands in for another user."""
+    os.chmod(disk_dir, 0)
+    try:
+        done = subprocess.run(["setpriv", "--bounding-set=-dac_override,-dac_read_search", sys.executable, "-m",
+                               "kvstore.cli", "fsck", str(disk_dir)], capture_output=True, text=True, timeout=60,
+                              env={**os.environ, "PYTHONPATH": REPO})
+    finally:
+        os.chmod(disk_dir, 0o755)
+    assert done.returncode == 2 and f"{disk_dir} cannot be read by this user" in done.stderr, done.stderr
 
 
 def test_a_torn_record_past_the_committed_tail_is_uncommitted_not_corrupt(disk_dir):
