@@ -55,14 +55,13 @@ from rocksdict import Rdict, WriteOptions
 from kvstore.checksum import layers_match
 from kvstore.errors import InvalidRequest, StoreClosed
 from kvstore.open_files import raise_open_files_limit
-from kvstore.sizing import format_bytes
 from kvstore.tiers.base import KEY_BYTES, BlockMeta, Tier, TierStats
 from kvstore.tiers.direct_io import (
     pwritev_all, read_direct, read_record_direct, write_record_direct,
 )
 from kvstore.tiers.disk_files import (
     BLOCK_KEY_PREFIX, NEXT_SEQ_KEY, NEXT_SEQ_VALUE, TAIL_KEY, TAIL_VALUE, DirectoryLock, IndexEntry, SegmentFile,
-    fsync_directory, open_index, room_for_tier, segment_name, supports_direct, truncate_quietly,
+    fsync_directory, open_index, segment_name, supports_direct, truncate_quietly, warn_if_oversized,
 )
 from kvstore.tiers.disk_reclaim import DiskReclaim
 from kvstore.tiers.disk_recovery import DiskRecovery
@@ -144,17 +143,7 @@ class DiskTier(DiskRecovery, DiskReclaim, Tier):
         self._punches = self._probe_punching()
         self._db = open_index(self._index_dir)
         self._recover()
-        self._warn_if_oversized()
-
-    def _warn_if_oversized(self) -> None:
-        """Warn when the capacity is more than the file system can give the tier: it would fill the
-        file system, and then its index (which writes at every open) could not open again."""
-        room = room_for_tier(self.path)
-        if self.capacity_bytes > room:
-            log.warning("disk tier %s: its capacity, %s, is more than its file system can give it (%s with what "
-                        "the tier holds now): once the file system is full its writes fail, and it cannot "
-                        "open again until space is freed there; give it a capacity below that",
-                        self.path, format_bytes(self.capacity_bytes), format_bytes(room))
+        warn_if_oversized(self.path, self.capacity_bytes)
 
     def _abandon_open(self) -> None:
         """After a failed open: close what was opened, then let the directory go."""

@@ -22,6 +22,7 @@ from typing import Callable
 from rocksdict import Options, Rdict
 
 from kvstore.errors import NotPermitted
+from kvstore.sizing import format_bytes
 from kvstore.tiers.direct_io import open_direct
 from kvstore.tiers.segment import footprint, scan_segment
 
@@ -155,6 +156,17 @@ def room_for_tier(path: str) -> int:
     """The most a tier at ``path`` can take of its file system now: the free space and what its
     files already take."""
     return shutil.disk_usage(path).free + allocated_bytes(path)
+
+
+def warn_if_oversized(path: str, capacity_bytes: int) -> None:
+    """Warn when a tier's capacity is more than its file system can give it: it would fill the file
+    system, and then its index (which RocksDB writes at every open) could not open again."""
+    room = room_for_tier(path)
+    if capacity_bytes > room:
+        log.warning("disk tier %s: its capacity, %s, is more than its file system can give it (%s with what "
+                    "the tier holds now): once the file system is full its writes fail, and it cannot "
+                    "open again until space is freed there; give it a capacity below that",
+                    path, format_bytes(capacity_bytes), format_bytes(room))
 
 
 def open_index(index_dir: str) -> Rdict:

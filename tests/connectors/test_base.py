@@ -26,13 +26,13 @@ class LateCopyingConnector(KVConnector):
         self.stored: dict[bytes, bytes] = {}
 
     def layout(self):
-        raise NotImplementedError
+        raise AssertionError("not called by these tests")
 
     def lookup(self, request_id, block_hashes) -> ConnectorHit:
-        raise NotImplementedError
+        raise AssertionError("not called by these tests")
 
     def start_load(self, hit, block_hashes, pages, pool) -> LoadHandle:
-        raise NotImplementedError
+        raise AssertionError("not called by these tests")
 
     def save(self, request_id, block_hashes, pages, pool, parent) -> None:
         self.queued.extend((h, page, pool) for h, page in zip(block_hashes, pages))

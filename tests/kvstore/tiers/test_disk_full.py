@@ -179,12 +179,12 @@ def test_a_capacity_above_what_the_file_system_can_give_is_warned_of_at_open(sma
     every open) until space is freed there: the open says so, naming both sizes. A tier that fits,
     counting what it already holds as its own, opens without the warning."""
     mount = small_tmpfs(8 << 20)
-    with caplog.at_level(logging.WARNING, logger="kvstore.tiers.disk"):
+    with caplog.at_level(logging.WARNING, logger="kvstore.tiers.disk_files"):
         DiskTier(os.path.join(mount, "big"), 64 << 20, segment_bytes=4 * FP).close()
     assert "its capacity, 64.0 MiB, is more than its file system can give it" in caplog.text
     assert "with what the tier holds now" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="kvstore.tiers.disk"):
+    with caplog.at_level(logging.WARNING, logger="kvstore.tiers.disk_files"):
         tier = DiskTier(os.path.join(mount, "fits"), 6 << 20, segment_bytes=4 * FP)
         for i in range(200):
             assert put(tier, i)
