@@ -27,6 +27,8 @@ from kvstore.service.cli import add_serve_parser  # light: grpc is imported only
 from kvstore.sizing import MODELS
 from kvstore.store import WRITE_POLICIES
 
+RUN_HTTP_ADDRESS = "127.0.0.1:50552"  # `kvstore run`'s dashboard, where `kvstore serve` puts its own by default
+
 
 def usable_cpus() -> int:
     """CPUs this process may run on (its affinity where the OS tells it, else all of them)."""
@@ -43,10 +45,19 @@ def progress_bars(label: str, total: int, unit: str = "B") -> Callable[[int], No
     return bar.update
 
 
+def _flag_size(flag: str, text: str) -> int:
+    """`parse_size`, its error naming the flag the value came from."""
+    try:
+        return parse_size(text)
+    except InvalidRequest as exc:
+        raise InvalidRequest(f"{flag}: {exc}") from None
+
+
 def _demo_config(args: argparse.Namespace):
     from engine_adapter.demo import DemoConfig
 
-    sizes = dict(host_capacity=parse_size(args.host_capacity), disk_capacity=parse_size(args.disk_capacity),
+    sizes = dict(host_capacity=_flag_size("--host-capacity", args.host_capacity),
+                 disk_capacity=_flag_size("--disk-capacity", args.disk_capacity),
                  data_dir=args.data_dir, v32=args.v32, sidecar=args.sidecar)
     if args.long_prompt_tokens is not None:
         sizes["long_prompt_tokens"] = args.long_prompt_tokens
@@ -66,7 +77,14 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_run(args: argparse.Namespace) -> int:
     """The demo against a sidecar this command starts (unless --sidecar names one or --in-process)."""
     if args.sidecar or args.in_process:
+        if args.http_address is not None:  # it would be ignored: this command starts no sidecar then
+            started_by = "--sidecar (or KVSTORE_SIDECAR)" if args.sidecar else "--in-process"
+            raise InvalidRequest(f"--http-address sets the dashboard of the sidecar `kvstore run` starts, and with "
+                                 f"{started_by} it starts none; a running sidecar's dashboard is set by its own "
+                                 f"`kvstore serve --http-address`")
         return _cmd_demo(args)
+    if args.http_address is None:
+        args.http_address = RUN_HTTP_ADDRESS
     import tempfile
 
     say = (lambda s: print(s, file=sys.stderr)) if args.json else print
@@ -266,8 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
                           help="use a running `kvstore serve` (HOST:PORT or unix:PATH; env KVSTORE_SIDECAR) "
                                "instead of an in-process store; the data-dir and capacity flags then do nothing")
         if name == "run":
-            demo.add_argument("--http-address", default="127.0.0.1:50552",
-                              help="where the started sidecar serves its dashboard (default 127.0.0.1:50552)")
+            demo.add_argument("--http-address", help=f"where the started sidecar serves its dashboard, or off "
+                                                     f"(default {RUN_HTTP_ADDRESS})")
             demo.add_argument("--in-process", action="store_true",
                               help="an in-process store instead of a sidecar (adds the disk-tier TTFT case)")
         demo.set_defaults(func=_cmd_run if name == "run" else _cmd_demo)
@@ -298,7 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--model", choices=list(MODELS),
                      help="show capacities in bytes of this model's KV too, and accept them in bytes")
     rep.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES), help=f"default {DEFAULT_POLICY}")
-    rep.add_argument("--tiers", default="host", help="capacity split over tiers, fastest first: host=0.25,disk=0.75")
+    rep.add_argument("--tiers", default="host", help="capacity split over tiers, fastest first, e.g. host=0.25,disk=0.75 (default host: one tier)")
     rep.add_argument("--write-policy", default="on_eviction", choices=WRITE_POLICIES,
                      help="on_eviction (default: victims are demoted, so the tiers hold disjoint "
                           "blocks but for promoted ones) or write_through")
@@ -318,7 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("trace-gen", help="write a seeded synthetic trace in the Mooncake format")
     gen.add_argument("kind", choices=["chat", "agent"], help="multi-turn chat or agent sessions")
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=0, help="the draw of the generator (default 0)")
     gen.add_argument("--out", required=True, help="JSONL file to write (- for standard output)")
     gen.set_defaults(func=_cmd_trace_gen)
 

@@ -54,6 +54,14 @@ def parse_size(text: str | int) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
+def existing_directory(text: str) -> str:
+    """A path that must already be a directory (the store creates its segments there, not it)."""
+    if not os.path.isdir(text):
+        reason = "is not a directory" if os.path.exists(text) else "does not exist"
+        raise InvalidRequest(f"{text!r} {reason}; give an existing directory, as a tmpfs like /dev/shm")
+    return text
+
+
 def default_data_dir() -> str:
     base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
     return os.path.join(base, "kvstore")
@@ -135,7 +143,7 @@ class StoreConfig:
         env = os.environ if environ is None else environ
         host, disk = HostConfig(), DiskConfig()
         for target, name, key, parse in ((host, "capacity_bytes", "HOST_CAPACITY", parse_size),
-                                         (host, "shm_dir", "SHM_DIR", str),
+                                         (host, "shm_dir", "SHM_DIR", existing_directory),
                                          (host, "page_bytes", "HOST_PAGE_BYTES", parse_size),
                                          (disk, "path", "DISK_PATH", str),
                                          (disk, "capacity_bytes", "DISK_CAPACITY", parse_size),

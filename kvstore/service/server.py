@@ -89,12 +89,12 @@ async def create_server(address: str, store: TieredStore, limits: ServiceLimits 
     health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
     reflection.enable_server_reflection((SERVICE_NAME, health_name, reflection.SERVICE_NAME), server)
     refuse_a_served_unix_path(address)
+    refuse_a_taken_port(address)
     try:
         port = server.add_secure_port(address, security.server_credentials(tls)) if tls else \
             server.add_insecure_port(address)
     except RuntimeError:
-        raise InvalidRequest(f"cannot listen on {address!r}: {_bind_failure(address)}; "
-                             "give another --address HOST:PORT (port 0: any free one) or unix:PATH") from None
+        raise _cannot_listen(address, _bind_failure(address)) from None
     return server, 0 if address.startswith("unix:") else port
 
 
@@ -133,6 +133,34 @@ def refuse_a_served_unix_path(address: str) -> None:
                          "stop it first or give another unix:PATH")
 
 
+def _cannot_listen(address: str, reason: str) -> InvalidRequest:
+    return InvalidRequest(f"cannot listen on {address!r}: {reason}; "
+                          "give another --address HOST:PORT (port 0: any free one) or unix:PATH")
+
+
+def refuse_a_taken_port(address: str) -> None:
+    """``InvalidRequest`` if a plain bind of ``HOST:PORT`` fails (in use, no such local address, a
+    host that does not resolve): gRPC would fail too, but only after logging its own error line to
+    stderr, ahead of ours. Unix sockets are left to gRPC."""
+    if (reason := plain_bind_error(address)) is not None:
+        raise _cannot_listen(address, reason)
+
+
+def plain_bind_error(address: str) -> str | None:
+    """The OS's answer to binding ``HOST:PORT`` as gRPC would (SO_REUSEADDR); None if it binds (or
+    ``address`` is no ``HOST:PORT``: gRPC's own parsing has the say)."""
+    host, _, port = address.rpartition(":")
+    if unix_path(address) is not None or not port.isdigit():
+        return None
+    try:
+        with socket.create_server((host.strip("[]"), int(port)), family=_family(host)):
+            return None
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            return "address in use"
+        return (exc.strerror or str(exc)).split(" (while attempting to bind", 1)[0]  # create_server's own addition
+
+
 def _bind_failure(address: str) -> str:
     """Why ``address`` cannot be bound (gRPC's error does not say): the OS's answer to a plain bind."""
     if (path := unix_path(address)) is not None:
@@ -142,14 +170,7 @@ def _bind_failure(address: str) -> str:
         if not os.access(directory, os.W_OK | os.X_OK):
             return f"this user may not create a socket in {directory}"
         return "is it in use?"
-    host, _, port = address.rpartition(":")
-    if not port.isdigit():
-        return "is it in use?"
-    try:
-        with socket.create_server((host.strip("[]"), int(port)), family=_family(host)):
-            return "is it in use?"
-    except OSError as exc:
-        return "address in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
+    return plain_bind_error(address) or "is it in use?"
 
 
 def _family(host: str) -> socket.AddressFamily:
@@ -179,6 +200,7 @@ async def serve(config: ServeConfig, store_config: StoreConfig, ready: Callable[
         security.check_exposure("--http-address", config.http_address, token, tls is not None,
                                 config.allow_plaintext)
     check_durable_puts(config, store_config)
+    refuse_a_taken_port(config.address)  # before a large host tier takes seconds to prefault (create_server again)
     shm_dir = store_config.host.shm_dir if store_config.host else None
     remove_stale_segments(shm_dir)  # creating a segment sweeps too; this also covers a sidecar that maps none
     store = await asyncio.to_thread(store_config.open_store)  # a large host tier takes seconds to prefault
@@ -259,6 +281,9 @@ def start_data_plane(address: str | None, store: TieredStore, limits: ServiceLim
     host = host_tier(store)
     if address is None or host is None:
         return None
+    if (reason := plain_bind_error(address)) is not None:  # before gRPC logs its own line of it
+        raise InvalidRequest(f"the data plane cannot start: cannot listen on {address}: {reason}; "
+                             "give --data-address HOST:PORT or 'off'")
     if not dataplane.available():
         log.warning("the native data plane was not built (needs g++, libgrpc++-dev, pkg-config at install): "
                     "clients on other hosts get blocks through the slower Python Get")

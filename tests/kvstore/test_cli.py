@@ -44,6 +44,7 @@ def test_bench_json_reports_every_figure_and_ratio(tmp_path):
     assert len(result["figures"]["disk_samples_gbps"]["read_cold"]) == result["repeats"] * result["read_rounds"]
     assert len(result["figures"]["disk_samples_gbps"]["write_unaligned"]) == result["repeats"]
     assert result["figures"]["disk_write_unaligned_gbps"] > 0 and "bounce" in result["method"]["write"]
+    assert result["figures"]["lookup_tokens"] == 4096 and result["figures"]["lookup_blocks"] == 4096 // 64
     assert os.listdir(tmp_path) == [], "the benchmark cleans up its files"
 
 
@@ -51,11 +52,15 @@ def test_bench_table_is_human_readable(tmp_path):
     done = kvstore("bench", "--blocks", "2", "--repeats", "1", "--lookup-tokens", "2048", "--dir", str(tmp_path))
     assert done.returncode == 0, done.stderr
     assert "host load" in done.stdout and "O_DIRECT" in done.stdout and "ratio" in done.stdout
+    assert "lookup 2K tokens" in done.stdout, "the lookup row names the prompt length measured, not 128K"
 
 
 @pytest.mark.parametrize("args, message", [
     (("bench", "--blocks", "0"), "must be positive"),
-    (("demo", "--quick", "--host-capacity", "lots"), "cannot read 'lots' as a size"),
+    (("demo", "--quick", "--host-capacity", "lots"), "--host-capacity: cannot read 'lots' as a size"),
+    (("demo", "--quick", "--disk-capacity", "3X"), "--disk-capacity: cannot read '3X' as a size"),
+    (("run", "--quick", "--in-process", "--http-address", "127.0.0.1:0"), "with --in-process it starts none"),
+    (("run", "--quick", "--sidecar", "127.0.0.1:1", "--http-address", "off"), "with --sidecar"),
 ])
 def test_bad_flags_give_a_clear_error_and_exit_2(args, message):
     done = kvstore(*args)
@@ -189,7 +194,8 @@ def test_a_missing_shared_memory_directory_is_one_line_without_a_traceback(tmp_p
     done = kvstore("serve", "--host-capacity", "4MiB", "--disk-capacity", "0", "--http-address", "off",
                    "--address", "127.0.0.1:0", env={"KVSTORE_SHM_DIR": str(tmp_path / "missing")}, timeout=60)
     assert (done.returncode, done.stdout) == (2, "")
-    assert done.stderr == f"kvstore serve: cannot access {tmp_path}/missing: No such file or directory\n"
+    assert done.stderr == (f"kvstore serve: KVSTORE_SHM_DIR: '{tmp_path}/missing' does not exist; "
+                           f"give an existing directory, as a tmpfs like /dev/shm\n")  # names the variable set
 
 
 def test_replay_with_a_model_takes_and_shows_capacities_in_bytes(capsys, trace):

@@ -144,3 +144,12 @@ def test_a_capacity_flag_enables_a_tier_the_environment_disabled_and_keeps_its_o
     assert (store.host.capacity_bytes, store.host.shm_dir, store.disk) == (2 << 20, str(tmp_path), None)
     with pytest.raises(InvalidRequest, match="at least one of the host and disk tiers"):
         store_config(serve_args("--host-capacity", "0"), {"KVSTORE_DISK_CAPACITY": "0"})
+
+
+@pytest.mark.parametrize("make", [lambda tmp: tmp / "missing", lambda tmp: tmp / "file"])
+def test_a_shared_memory_directory_that_is_no_directory_is_refused_naming_the_file_key(tmp_path, make):
+    (tmp_path / "file").write_text("")
+    config = tmp_path / "kvstore.toml"
+    config.write_text(f'shm_dir = "{make(tmp_path)}"\n')
+    with pytest.raises(InvalidRequest, match=f"shm_dir in {config}: '{make(tmp_path)}' (does not exist|is not a dir)"):
+        store_config(serve_args(), layered_environment(str(config), {}))
