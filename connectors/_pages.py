@@ -251,6 +251,8 @@ class SaveWriter:
     ``max_pending_bytes`` of payloads (one save always fits): a store that stops keeping up (a
     hung disk, a lock that stays held) would otherwise grow the engine's memory without bound. A
     save beyond it is dropped, counted in ``dropped_blocks`` and warned about once per episode.
+    So is a save after ``close`` (an engine still committing while it shuts down): nothing would
+    write it, and a ``flush`` would wait for it forever.
     """
 
     def __init__(self, write: Callable[[list[bytes], list[np.ndarray], bytes | None], None],
@@ -263,6 +265,8 @@ class SaveWriter:
         self._pending_bytes = 0
         self._pending_lock = threading.Lock()
         self._dropping = False
+        self._closed = False
+        self._dropped_after_close = False  # warned of once
         self.dropped_blocks = 0
         self.failed_saves = 0
         self._failing = 0  # saves failed since the last one that succeeded
@@ -273,6 +277,12 @@ class SaveWriter:
     def put(self, hashes: Sequence[bytes], payloads: list[np.ndarray], parent: bytes | None) -> None:
         nbytes = sum(payload.nbytes for payload in payloads)
         with self._pending_lock:
+            if self._closed:
+                self._log.log(logging.DEBUG if self._dropped_after_close else logging.WARNING,
+                              "a save after the connector was closed is dropped (its blocks stay uncached)")
+                self._dropped_after_close = True
+                self.dropped_blocks += len(hashes)
+                return
             if self._pending_bytes and self._pending_bytes + nbytes > self._max_pending_bytes:
                 self.dropped_blocks += len(hashes)
                 if not self._dropping:
@@ -285,14 +295,16 @@ class SaveWriter:
                 self._log.info("the store caught up with saves; %d blocks were dropped meanwhile", self.dropped_blocks)
                 self._dropping = False
             self._pending_bytes += nbytes
-        self._queue.put((list(hashes), payloads, parent, nbytes))
+            self._queue.put((list(hashes), payloads, parent, nbytes))  # under the lock: before close's end mark
 
     def flush(self) -> None:
         self._queue.join()
 
     def close(self) -> None:
-        if not self._thread.is_alive():
-            return
+        with self._pending_lock:
+            if self._closed:
+                return
+            self._closed = True
         self.flush()
         self._queue.put(None)
         self._thread.join()

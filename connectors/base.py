@@ -83,6 +83,13 @@ class KVConnector(ABC):
         layer), fixed at construction. An engine refuses a connector whose layout differs from its
         page pool's: a load would fill too few layers or the wrong bytes of each page."""
 
+    @property
+    def namespace_id(self) -> bytes | None:
+        """The id of the namespace this connector files blocks under, where it knows one: an
+        engine refuses a connector over another namespace than its own (its blocks would be
+        deleted, counted and shown under another model or tenant). Default: None (unknown)."""
+        return None
+
     @abstractmethod
     def lookup(self, request_id: str, block_hashes: Sequence[bytes]) -> ConnectorHit:
         """Longest servable prefix of ``block_hashes``, counted from ``block_hashes[0]`` (an engine

@@ -113,6 +113,10 @@ class SidecarConnector(KVConnector):
     def layout(self) -> BlockSpec:
         return self.spec
 
+    @property
+    def namespace_id(self) -> bytes:
+        return self.namespace.id
+
     # ---- lookup side -------------------------------------------------------------------
 
     def lookup(self, request_id: str, block_hashes: Sequence[bytes]) -> ConnectorHit:

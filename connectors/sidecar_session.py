@@ -101,6 +101,8 @@ class SidecarSession:
     def _not_answering(self, what: str, exc: Exception) -> None:
         if isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE:
             self._registered = False  # it may come back as a new process
+        for path in self.client.drop_unlinked_segments():  # a successor unlinked them: free their memory for it
+            log.info("kvstore sidecar %s: unmapped %s, removed since it was mapped", self.target, path)
         if self._available:
             log.warning("kvstore sidecar %s: cannot %s (%s); %s until it answers",
                         self.target, what, describe(exc), self.meanwhile)

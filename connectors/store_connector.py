@@ -80,6 +80,10 @@ class StoreConnector(KVConnector):
     def layout(self) -> BlockSpec:
         return self.spec
 
+    @property
+    def namespace_id(self) -> bytes:
+        return self.ns_id
+
     # ---- lookup side -------------------------------------------------------------------
 
     def lookup(self, request_id: str, block_hashes: Sequence[bytes]) -> ConnectorHit:

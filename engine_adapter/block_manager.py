@@ -25,6 +25,7 @@ This module knows pages, hashes and the connector API; nothing about the model o
 
 from __future__ import annotations
 
+import logging
 from typing import NamedTuple
 
 import torch
@@ -34,6 +35,8 @@ from engine_adapter.paged_cache import PagedSequenceCache, PagePool
 from engine_adapter.sequence import Sequence
 from kvstore.keys import Namespace, namespace_hashes
 from kvstore.layout import BlockSpec
+
+log = logging.getLogger(__name__)
 
 
 class PendingLoad(NamedTuple):
@@ -55,6 +58,16 @@ def check_connector_layout(layout: BlockSpec, pool: PagePool, namespace: Namespa
                          f"engine_adapter.namespace.namespace_for(model.config, model_name, pool.page_size)")
 
 
+def warn_of_another_namespace(connector_ns_id: bytes | None, namespace: Namespace) -> None:
+    """Warn when the connector files blocks under another namespace than the engine's (None: the
+    connector does not say). Hits stay right (block hashes are seeded from the engine's namespace),
+    but the blocks are deleted, counted and shown under another model, tenant or weights."""
+    if connector_ns_id is not None and connector_ns_id != namespace.id:
+        log.warning("the connector files blocks under namespace %s, this engine's is %s (%s): its blocks are "
+                    "deleted, counted and shown under the connector's; build the connector over the engine's "
+                    "namespace (Engine.namespace)", connector_ns_id.hex(), namespace.id.hex(), namespace.model)
+
+
 def _describe(spec: BlockSpec) -> str:
     return (f"{spec.num_layers} layers x {spec.block_size} tokens ({'+'.join(spec.components)}, "
             f"{spec.layer_bytes} bytes a layer)")
@@ -67,6 +80,7 @@ class BlockManager:
             raise ValueError(f"namespace block_size {namespace.block_size} != pool page_size {pool.page_size}")
         if connector is not None:
             check_connector_layout(connector.layout, pool, namespace)
+            warn_of_another_namespace(connector.namespace_id, namespace)
         self.pool, self.namespace, self.dtype, self.connector = pool, namespace, dtype, connector
         self.block_size = pool.page_size
         self._saves_uncopied = False

@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 # The share of a tier's capacity that blocks waiting for their background write-through copy
 # may pin; past it the copy runs in the putting thread (one copy may always wait).
 WRITE_THROUGH_BACKLOG = 0.25
+PAGE_CANDIDATES = 64  # victims whose pages _empty_a_page chooses among
 
 
 class PlacementMixin:
@@ -301,25 +302,75 @@ class PlacementMixin:
             evictable = lambda k, untried=evictable: k not in tried and untried(k)  # noqa: E731
         if demoted is not None and not self._policies[t].admits_demotion(demoted, evictable):
             return False
-        # A tier with slots of several sizes first offers the victims whose slot would hold this
-        # block; in any other tier every victim helps, and one pass offers every victim there is.
-        passes = [evictable]
-        if type(tier).eviction_helps is not Tier.eviction_helps:
-            passes.insert(0, lambda k: evictable(k) and tier.eviction_helps(k, nbytes))
-        for eligible in passes:
-            victims = self._policies[t].victims(eligible)
-            try:
-                for victim in victims:
-                    if victim == keep:
-                        return False
-                    demotion = self._evict(t, victim, needed=victim == parent)
-                    if demotion is not None:
-                        return demotion
-                    if tier.can_fit(nbytes):
-                        return True
-            finally:
-                victims.close()
+        if type(tier).eviction_helps is Tier.eviction_helps:  # every victim helps: one pass
+            return self._evict_in_order(t, nbytes, evictable, keep, parent) or False
+        # A tier of pages cut into slots of one size each first evicts blocks whose slot would
+        # hold this one; evicting others helps only once a page of them is empty (_empty_a_page).
+        outcome = self._evict_in_order(t, nbytes, lambda k: evictable(k) and tier.eviction_helps(k, nbytes),
+                                       keep, parent)
+        return self._empty_a_page(t, nbytes, evictable, keep, parent) if outcome is None else outcome
+
+    def _evict_in_order(self, t: int, nbytes: int, eligible, keep: bytes | None,
+                        parent: bytes | None) -> "bool | Demotion | None":
+        """``_make_room``'s eviction of the policy's victims that ``eligible`` accepts, in its
+        order: True once ``nbytes`` fit, a ``Demotion``, False when the next victim is ``keep``,
+        None when the victims ran out first. Caller holds the lock."""
+        tier = self.tiers[t]
+        victims = self._policies[t].victims(eligible)
+        try:
+            for victim in victims:
+                if victim == keep:
+                    return False
+                demotion = self._evict(t, victim, needed=victim == parent)
+                if demotion is not None:
+                    return demotion
+                if tier.can_fit(nbytes):
+                    return True
+        finally:
+            victims.close()
+        return None
+
+    def _empty_a_page(self, t: int, nbytes: int, evictable, keep: bytes | None,
+                      parent: bytes | None) -> "bool | Demotion":
+        """Room for a size tier ``t`` has no free slot of, and no free page to cut into slots of it:
+        one page's blocks go, with their descendants in the tier (a chain loses its tail before its
+        head), in the policy's order. The page is among those of the policy's first
+        ``PAGE_CANDIDATES`` victims whose blocks and descendants ``evictable`` all accepts (and
+        ``keep`` is none of): the one that costs the fewest blocks, the policy's earlier first. False,
+        with nothing evicted, when there is none. Evicting victims in order until some page
+        happened to empty took most of the tier for one block. Caller holds the lock."""
+        tier, policy = self.tiers[t], self._policies[t]
+        first_rank: dict[int, int] = {}
+        victims = policy.victims(evictable)
+        try:
+            for rank, victim in zip(range(PAGE_CANDIDATES), victims):
+                first_rank.setdefault(tier.page_of(victim), rank)
+        finally:
+            victims.close()
+        children = self._children_in(t)
+        costs = {}
+        for page in first_rank:
+            closure = _with_descendants(tier.page_residents(page), children)
+            if closure and keep not in closure and all(map(evictable, closure)):
+                costs[page] = closure
+        if not costs:
+            return False
+        closure = costs[min(costs, key=lambda p: (len(costs[p]), first_rank[p]))]
+        while closure:  # again while a pass evicts: a policy may not offer a leaf its pass made
+            outcome = self._evict_in_order(t, nbytes, lambda k: k in closure and evictable(k), keep, parent)
+            if outcome is not None:
+                return outcome
+            left = {key for key in closure if tier.contains(key)}
+            closure = left if len(left) < len(closure) else set()
         return False
+
+    def _children_in(self, t: int) -> dict[bytes, list[bytes]]:
+        """Tier ``t``'s resident blocks by parent, for those whose parent it holds too."""
+        tier, children = self.tiers[t], {}
+        for key, meta in tier.items():
+            if meta.parent is not None and tier.contains(meta.parent):
+                children.setdefault(meta.parent, []).append(key)
+        return children
 
     def _drop_shadows(self, t: int, nbytes: int) -> bool:
         """Drop tier ``t``'s copies of blocks a faster tier also holds, oldest first, until
@@ -422,3 +473,14 @@ class Demotion(NamedTuple):
     tier: int
     key: bytes
     needed: bool
+
+
+def _with_descendants(keys: list[bytes] | None, children: dict[bytes, list[bytes]]) -> set[bytes]:
+    """``keys`` and every descendant ``children`` reaches from them; empty for None."""
+    found, stack = set(), list(keys or ())
+    while stack:
+        key = stack.pop()
+        if key not in found:
+            found.add(key)
+            stack.extend(children.get(key, ()))
+    return found

@@ -14,6 +14,8 @@ raises ``InvalidRequest`` naming the valid ones.
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass, fields
 from collections.abc import Mapping
 from typing import Any
@@ -23,6 +25,8 @@ from kvstore.errors import InvalidRequest
 from kvstore.service import security
 from kvstore.service.config import DEFAULT_ADDRESS
 from kvstore.store import MAX_LEASE_TTL_S
+
+log = logging.getLogger(__name__)
 
 LMCACHE_KEYS = ("module_path", "class_name")  # read by LMCache itself
 
@@ -104,3 +108,16 @@ def _convert(key: str, kind: str, value: Any) -> Any:
         except (TypeError, ValueError):
             raise InvalidRequest(f"{key} must be a number ({kind}), got {value!r}") from None
     return None if value is None else str(value)
+
+
+def warn_if_hash_seed_random(environ: Mapping[str, str] = os.environ) -> bool:
+    """Warn (and return True) when ``PYTHONHASHSEED`` is unset or random. LMCache seeds its chunk
+    keys from it (vLLM's first block hash, or Python's ``hash`` without vLLM): each process then
+    names the same prompt's chunks differently, and nothing stored hits after a restart or in
+    another engine."""
+    if environ.get("PYTHONHASHSEED", "random") not in ("", "random"):
+        return False
+    log.warning("PYTHONHASHSEED is not set: LMCache names each process's chunks differently, so they hit in no "
+                "other engine and not after a restart; set it to one value in every engine process "
+                "(export PYTHONHASHSEED=0)")
+    return True

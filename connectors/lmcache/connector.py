@@ -64,7 +64,7 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 from connectors.lmcache import framing
 from connectors.lmcache.below_memory import BelowMemoryWindow, PastDeadline, load_in_time
 from connectors.lmcache.chunk_meta import ChunkGeometry, dtype_name, object_meta, require_whole_chunks
-from connectors.lmcache.config import PluginConfig
+from connectors.lmcache.config import PluginConfig, warn_if_hash_seed_random
 from connectors.lmcache.framing import CorruptObject, key_digest
 from connectors.lmcache.known_keys import KnownKeys
 from connectors.lmcache.rebuild import rebuild
@@ -88,6 +88,7 @@ class KVStoreConnector(RemoteConnector):
         """Connects lazily: a sidecar that is down now only makes every call a miss until it answers.
         Raises ``InvalidRequest`` for LMCache settings whose objects it cannot serve (``require_whole_chunks``)."""
         require_whole_chunks(config)
+        warn_if_hash_seed_random()
         super().__init__(config, metadata)  # meta_shapes, meta_dtypes, meta_fmt, full_chunk_size_bytes
         self.loop = loop
         self.local_cpu_backend = local_cpu_backend

@@ -328,6 +328,12 @@ class KVStoreClient:
     def stats(self) -> StoreStats:
         return wire.stats_from_proto(self._stub.Stats(pb.StatsRequest(), timeout=self._timeout))
 
+    def drop_unlinked_segments(self) -> list[str]:
+        """Unmap the sidecar's shared-memory segments that are no longer at their paths (its
+        successor's start unlinked a killed sidecar's): call it while the sidecar does not answer,
+        so their memory is freed for the new one's. Returns the paths dropped."""
+        return self._segments.drop_unlinked() + self._staging.drop_unlinked()
+
     def close(self) -> None:
         self._channel.close()
         if self._data_plane is not None:

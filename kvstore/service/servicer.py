@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import logging
 import threading
 import time
 
@@ -38,6 +39,8 @@ from kvstore.service.v1 import kvstore_pb2_grpc
 from kvstore.store import TieredStore
 from kvstore.tiers.host import HostTier
 from kvstore.validation import check_chain, check_hashes
+
+log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVStore"].full_name  # "kvstore.v1.KVStore"
 
@@ -197,6 +200,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         self._limits = limits
         self.metrics = metrics or ServiceMetrics(store)
         self._staging = staging
+        self._unstaged: set[bytes] = set()  # namespaces whose blocks fit no staging page (logged once)
         self._durable_puts = durable_puts
         self._transfers = TransferSlots(limits.max_concurrent_transfers, limits.max_streams_per_client)
         self._leases = ClientLeases(limits.max_leases_per_client)
@@ -212,7 +216,13 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     async def RegisterNamespace(self, request, context):
         namespace = wire.namespace_from_request(request)
         ns_id = await asyncio.to_thread(self._register_within_cap, namespace)
-        return wire.registered(ns_id, self._store.spec(ns_id))
+        spec = self._store.spec(ns_id)
+        if self._staging is not None and not self._staging.fits(spec.block_bytes) and ns_id not in self._unstaged:
+            self._unstaged.add(ns_id)
+            log.warning("namespace %s (%s): its %d-byte blocks do not fit a staging page, so same-host puts of "
+                        "them go through Put; raise --staging-capacity or KVSTORE_STAGING_BYTES",
+                        ns_id.hex(), namespace.model, spec.block_bytes)
+        return wire.registered(ns_id, spec)
 
     def _register_within_cap(self, namespace) -> bytes:
         """Check the cap and register as one step, on a worker thread: calls racing past the check

@@ -90,12 +90,14 @@ class SegmentMaps:
 
     A sidecar has one segment of each kind, named afresh by every sidecar process, so a new path
     means the sidecar restarted: the mappings of the old paths are dropped then (unmapped once no
-    view of them is left), or a client would keep every dead sidecar's whole arena mapped.
+    view of them is left), or a client would keep every dead sidecar's whole arena mapped. A
+    sidecar that died is not there to hand out a new path, so ``drop_unlinked`` (called while it
+    does not answer) drops the mappings of files its successor's sweep unlinked.
     """
 
     def __init__(self, writable: bool = False):
         self._writable = writable
-        self._maps: dict[str, tuple[mmap.mmap, np.ndarray] | None] = {}
+        self._maps: dict[str, _Mapped | None] = {}
         self._lock = threading.Lock()
 
     def slot(self, path: str, offset: int, nbytes: int) -> np.ndarray | None:
@@ -108,9 +110,20 @@ class SegmentMaps:
                 stale = []
             mapped = self._maps[path]
         _unmap(stale)
-        if mapped is None or offset + nbytes > mapped[1].nbytes:
+        if mapped is None or offset + nbytes > mapped.view.nbytes:
             return None
-        return mapped[1][offset : offset + nbytes]
+        return mapped.view[offset : offset + nbytes]
+
+    def drop_unlinked(self) -> list[str]:
+        """Drop the mappings of files no longer at their path, and return those paths. A sidecar
+        killed with SIGKILL leaves its segments behind; the next one's start unlinks them, but
+        their memory stays allocated while any process maps them, and a small /dev/shm may need
+        it for the new sidecar's own segment (which then cannot start until the clients let go)."""
+        with self._lock:
+            gone = [path for path, mapped in self._maps.items() if mapped is not None and not mapped.still_at(path)]
+            stale = [self._maps.pop(path) for path in gone]
+        _unmap(stale)
+        return gone
 
     def mapped_paths(self) -> list[str]:
         """The paths mapped now (unmappable ones left out)."""
@@ -123,12 +136,27 @@ class SegmentMaps:
         _unmap(list(maps.values()))
 
 
-def _unmap(maps: list[tuple[mmap.mmap, np.ndarray] | None]) -> None:
+@dataclass
+class _Mapped:
+    mapping: mmap.mmap
+    view: np.ndarray  # [segment bytes] uint8, read-only unless writable
+    file_id: tuple[int, int]  # (st_dev, st_ino) of the file mapped
+
+    def still_at(self, path: str) -> bool:
+        """Whether ``path`` is still the file mapped (not unlinked, nor replaced by another)."""
+        try:
+            status = os.stat(path)
+        except OSError:
+            return False
+        return (status.st_dev, status.st_ino) == self.file_id
+
+
+def _unmap(maps: list[_Mapped | None]) -> None:
     """Close mappings no view holds any more; the rest go with their last view."""
     while maps:
         mapped = maps.pop()
         if mapped is not None:
-            mapping = mapped[0]
+            mapping = mapped.mapping
             del mapped  # our own view of the whole segment would keep the mapping exported
             try:
                 mapping.close()
@@ -136,12 +164,13 @@ def _unmap(maps: list[tuple[mmap.mmap, np.ndarray] | None]) -> None:
                 pass  # a caller still holds a view; the mapping goes with the last reference
 
 
-def _map(path: str, writable: bool) -> tuple[mmap.mmap, np.ndarray] | None:
+def _map(path: str, writable: bool) -> _Mapped | None:
     try:
         fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
     except OSError:
         return None
     try:
+        status = os.fstat(fd)
         # a writable map is the staging segment (small): populate its page tables now, not per write
         flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if writable else 0)
         mapping = mmap.mmap(fd, 0, flags=flags, prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
@@ -149,4 +178,4 @@ def _map(path: str, writable: bool) -> tuple[mmap.mmap, np.ndarray] | None:
         return None
     finally:
         os.close(fd)
-    return mapping, np.frombuffer(mapping, np.uint8)  # [segment bytes], read-only unless writable
+    return _Mapped(mapping, np.frombuffer(mapping, np.uint8), (status.st_dev, status.st_ino))

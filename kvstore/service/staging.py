@@ -49,7 +49,8 @@ MAX_RESERVATION_TTL_S = 600.0  # a reservation covers one copy into its slots, n
 
 
 class StagingFull(LimitExceeded):
-    """No room for a reservation now: the staging area is reserved up to ``staging_bytes``."""
+    """No room for a reservation now: the staging area is reserved up to ``staging_bytes``; or
+    ever, for a block larger than its page (the client sends such blocks through Put)."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,10 @@ class StagingArea:
     def capacity_bytes(self) -> int:
         return self._slab.capacity_bytes
 
+    def fits(self, block_bytes: int) -> bool:
+        """Whether a block of ``block_bytes`` fits one of this area's pages (else only Put takes it)."""
+        return self._slab.fits_in_page(block_bytes)
+
     def reserve(self, ns_id: bytes, block_hashes: tuple[bytes, ...], parent: bytes | None, block_bytes: int,
                 num_layers: int, ttl_s: float, *, owner: str = "", owner_limit: int | None = None) -> Reservation:
         """Slots for ``len(block_hashes)`` payloads of ``block_bytes``, held for ``owner`` alone.
@@ -104,9 +109,9 @@ class StagingArea:
             raise InvalidRequest(f"a reservation's ttl_s must be in (0, {MAX_RESERVATION_TTL_S:g}] seconds, got "
                                  f"{ttl_s}: it covers one copy into the slots (0 or unset: the default "
                                  f"{DEFAULT_RESERVATION_TTL_S:g})")
-        if not self._slab.fits_in_page(block_bytes):
-            raise InvalidRequest(f"a {block_bytes}-byte block does not fit a {self._slab.page_bytes}-byte "
-                                 "staging page; use Put")
+        if not self.fits(block_bytes):
+            raise StagingFull(f"a {block_bytes}-byte block does not fit a {self._slab.page_bytes}-byte "
+                              "staging page; use Put (or raise --staging-capacity)")
         with self._lock:
             self._check_open()
             self._lapse_expired()

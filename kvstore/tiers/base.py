@@ -113,8 +113,19 @@ class Tier(ABC):
         return None
 
     def eviction_helps(self, victim: bytes, nbytes: int) -> bool:
-        """Whether evicting ``victim`` brings a payload of ``nbytes`` closer to fitting."""
+        """Whether evicting ``victim`` brings a payload of ``nbytes`` closer to fitting. A tier
+        that answers False for some (pages cut into slots of one size each) also answers
+        ``page_of`` and ``page_residents``, so a size with no slot left can have a page emptied."""
         return True
+
+    def page_of(self, key: bytes) -> int | None:
+        """The page of a resident ``key`` in a tier of pages (see ``eviction_helps``); else None."""
+        return None
+
+    def page_residents(self, page: int) -> list[bytes] | None:
+        """The blocks resident in ``page`` when they are all it holds; None when it also holds a
+        slot reserved or being written (it cannot be emptied now), or the tier has no pages."""
+        return None
 
     @abstractmethod
     def contains(self, key: bytes) -> bool: ...

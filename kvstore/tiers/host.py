@@ -52,6 +52,7 @@ class HostTier(Tier):
         self.segment_path = self._segment.path
         self._arena = np.frombuffer(self._segment.mmap, dtype=np.uint8)  # [capacity] bytes
         self._index: dict[bytes, tuple[int, BlockMeta]] = {}
+        self._on_page: dict[int, set[bytes]] = {}  # page -> its keys in _index
         self._reserved: dict[bytes, int] = {}  # key -> slot set aside for its write (``reserve``)
         self._copying: dict[bytes, int] = {}  # key -> slot its write is copying into (not yet readable)
         self._lock = threading.Lock()
@@ -81,6 +82,15 @@ class HostTier(Tier):
     def eviction_helps(self, victim: bytes, nbytes: int) -> bool:
         entry = self._index.get(victim)
         return entry is not None and self._slab.slot_class(entry[0]) == self._slab.slot_bytes(nbytes)
+
+    def page_of(self, key: bytes) -> int | None:
+        entry = self._index.get(key)
+        return None if entry is None else entry[0] // self._slab.page_bytes
+
+    def page_residents(self, page: int) -> list[bytes] | None:
+        with self._lock:
+            keys = self._on_page.get(page, ())
+            return list(keys) if keys and self._slab.page_used(page) == len(keys) else None
 
     def contains(self, key: bytes) -> bool:
         return key in self._index
@@ -132,6 +142,7 @@ class HostTier(Tier):
         with self._lock:
             del self._copying[key]
             self._index[key] = (offset, meta)
+            self._on_page.setdefault(offset // self._slab.page_bytes, set()).add(key)
             self._bytes_written += meta.nbytes
         return True
 
@@ -172,6 +183,10 @@ class HostTier(Tier):
             entry = self._index.pop(key, None)
             if entry is None:
                 return False
+            page = entry[0] // self._slab.page_bytes
+            self._on_page[page].discard(key)
+            if not self._on_page[page]:
+                del self._on_page[page]
             self._slab.free(entry[0])
             return True
 
@@ -181,6 +196,10 @@ class HostTier(Tier):
                        + list(self._copying.values()))
             self._slab.check_integrity(offsets)
             assert len(set(offsets)) == len(offsets), "two blocks share a slot"
+            by_page: dict[int, set[bytes]] = {}
+            for key, (offset, _) in self._index.items():
+                by_page.setdefault(offset // self._slab.page_bytes, set()).add(key)
+            assert by_page == self._on_page, "the pages' resident keys disagree with the index"
             free = self.capacity_bytes - self._slab.used_bytes
             assert free >= 0 and free + self._slab.used_bytes == self.capacity_bytes
 
@@ -200,6 +219,7 @@ class HostTier(Tier):
             return
         self._closed = True
         self._index.clear()
+        self._on_page.clear()
         self._arena = None
         self._segment.close()
 

@@ -81,6 +81,10 @@ class SlabAllocator:
         else:
             size_class.free_slots.setdefault(page, []).append(offset)
 
+    def page_used(self, page: int) -> int:
+        """Slots allocated in ``page``."""
+        return self._page_used[page]
+
     def slot_class(self, offset: int) -> int | None:
         return self._page_class[offset // self.page_bytes]
 

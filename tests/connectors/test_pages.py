@@ -293,3 +293,21 @@ def test_one_save_larger_than_the_bound_still_goes():
     saves.flush()
     assert written == [b"a"] and saves.dropped_blocks == 0
     saves.close()
+
+
+def test_a_save_after_close_is_dropped_and_counted_and_flush_does_not_hang(caplog):
+    """Before, it was queued for the ended thread: never written, and the next flush waited forever."""
+    written = []
+    saves = SaveWriter(lambda hashes, payloads, parent: written.extend(hashes))
+    saves.put([b"a"], [np.zeros(8, np.uint8)], None)
+    saves.close()
+    with caplog.at_level("WARNING"):
+        saves.put([b"b", b"c"], [np.zeros(8, np.uint8)] * 2, None)
+        saves.put([b"d"], [np.zeros(8, np.uint8)], None)
+    flushed = threading.Thread(target=saves.flush, daemon=True)
+    flushed.start()
+    flushed.join(5)
+    assert not flushed.is_alive(), "flush after close returned"
+    assert written == [b"a"] and saves.dropped_blocks == 3
+    assert sum("after the connector was closed" in r.getMessage() for r in caplog.records) == 1
+    saves.close()  # again: nothing to do

@@ -284,3 +284,23 @@ def test_a_finished_request_does_not_wait_for_its_saves_to_reach_the_store(v3, t
     connector.flush()  # what a caller that needs the blocks stored waits for
     assert written.is_set() and store.stats().stored_blocks >= 5
     store.close()
+
+
+def test_a_connector_over_another_namespace_of_the_same_layout_is_warned_of(v3, tmp_path, caplog):
+    """Its hits stay right, but its blocks are filed under the other model (or tenant, or weights):
+    deleted, counted and shown under it. Before, nothing said so."""
+    model = v3.ours
+    store = open_store(tmp_path)
+    pool = PagePool(model.config, 32, page_size=P)
+    with caplog.at_level("WARNING", logger="engine_adapter.block_manager"):
+        engine = Engine(model, pool)
+        same = StoreConnector(store, engine.namespace)
+        Engine(model, PagePool(model.config, 32, page_size=P), connector=same)
+        assert not caplog.records
+        other = StoreConnector(store, namespace_for(model.config, "another-model", P))
+        Engine(model, PagePool(model.config, 32, page_size=P), connector=other)
+    [record] = caplog.records
+    assert f"this engine's is {engine.namespace.id.hex()}" in record.getMessage()
+    for connector in (same, other):
+        connector.close()
+    store.close()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from connectors.lmcache.config import PluginConfig
+from connectors.lmcache.config import PluginConfig, warn_if_hash_seed_random
 from connectors.lmcache.namespace import lmcache_namespace
 from kvstore.errors import InvalidRequest
 from kvstore.layout import BlockSpec
@@ -73,3 +73,12 @@ def test_whatever_changes_the_bytes_changes_the_namespace():
     salted = lmcache_namespace("deepseek-ai/DeepSeek-V3", 256, V3_CHUNK_BYTES, V3, cache_salt="tenant-a")
     assert len({base.id, fp8.id, smaller_chunks.id, salted.id}) == 4
     assert base == lmcache_namespace("deepseek-ai/DeepSeek-V3", 256, V3_CHUNK_BYTES, dict(reversed(V3.items())))
+
+
+@pytest.mark.parametrize("environ, warns", [({}, True), ({"PYTHONHASHSEED": "random"}, True),
+                                             ({"PYTHONHASHSEED": "0"}, False), ({"PYTHONHASHSEED": "42"}, False)])
+def test_a_random_hash_seed_is_warned_of_at_start(caplog, environ, warns):
+    """LMCache seeds its chunk keys from it: unset, no chunk hits in another process."""
+    with caplog.at_level("WARNING", logger="connectors.lmcache.config"):
+        assert warn_if_hash_seed_random(environ) is warns
+    assert any("PYTHONHASHSEED=0" in r.getMessage() for r in caplog.records) is warns

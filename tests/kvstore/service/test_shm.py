@@ -184,6 +184,31 @@ def test_a_new_segment_path_unmaps_the_old_one(tmp_path):
     assert new not in _mapped_files()
 
 
+def test_drop_unlinked_unmaps_files_removed_or_replaced_and_keeps_the_rest(tmp_path):
+    """A sidecar killed with SIGKILL hands out no new path; its successor's start unlinks the old
+    arena, whose memory stays allocated while a client maps it (a small /dev/shm then has no
+    room for the successor's)."""
+    kept, removed, replaced = (str(tmp_path / f"kvstore-{i}-0000aaaa") for i in (1, 2, 3))
+    for path in (kept, removed, replaced):
+        with open(path, "wb") as f:
+            f.truncate(1 << 20)
+    maps, staging, other = SegmentMaps(), SegmentMaps(writable=True), SegmentMaps()  # one path each
+    try:
+        assert maps.slot(kept, 0, 4096) is not None and other.slot(removed, 0, 4096) is not None
+        assert staging.slot(replaced, 0, 4096) is not None
+        os.unlink(removed)
+        os.unlink(replaced)
+        with open(replaced, "wb") as f:  # a new file at the old name: not the one mapped
+            f.truncate(1 << 20)
+        assert maps.drop_unlinked() == [] and maps.mapped_paths() == [kept]
+        assert (other.drop_unlinked(), staging.drop_unlinked()) == ([removed], [replaced])
+        assert other.mapped_paths() == staging.mapped_paths() == [] and removed not in _mapped_files()
+        assert staging.slot(replaced, 0, 4096) is not None, "the new file maps afresh"
+    finally:
+        for segment_maps in (maps, staging, other):
+            segment_maps.close()
+
+
 def _mapped_files() -> str:
     with open("/proc/self/maps") as f:
         return f.read()
