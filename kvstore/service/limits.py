@@ -42,7 +42,7 @@ import os
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
-from typing import Iterator, Mapping
+from typing import Callable, Iterator, Mapping
 
 from kvstore.config import ENV_PREFIX, Settings, parse_seconds, parse_size, read_setting
 from kvstore.errors import InvalidRequest, KVStoreError, NotPermitted, UnknownLease
@@ -207,8 +207,9 @@ class TransferSlots:
         self.active = 0
         self._by_client: collections.Counter[str] = collections.Counter()
 
-    @contextmanager
-    def hold(self, client: str = "") -> Iterator[None]:
+    def take(self, client: str = "") -> Callable[[], None]:
+        """Take a slot for ``client``, or raise ``LimitExceeded``; returns its release (once is enough:
+        again does nothing)."""
         if self.active >= self.limit:
             raise LimitExceeded(f"max_concurrent_transfers={self.limit} Get/Put streams are already running; "
                                 "retry shortly or raise the limit")
@@ -217,13 +218,24 @@ class TransferSlots:
                                 "Get/Put streams; wait for one to finish")
         self.active += 1
         self._by_client[client] += 1
+        taken = [True]
+
+        def release() -> None:
+            if taken.pop() if taken else False:
+                self.active -= 1
+                self._by_client[client] -= 1
+                if not self._by_client[client]:
+                    del self._by_client[client]
+
+        return release
+
+    @contextmanager
+    def hold(self, client: str = "") -> Iterator[None]:
+        release = self.take(client)
         try:
             yield
         finally:
-            self.active -= 1
-            self._by_client[client] -= 1
-            if not self._by_client[client]:
-                del self._by_client[client]
+            release()
 
 
 class ClientLeases:

@@ -191,6 +191,9 @@ async def serve(config: ServeConfig, store_config: StoreConfig, ready: Callable[
     # one accept fails for want of one (dataplane_native/transport.h): not only for a disk tier.
     raise_open_files_limit("every connection to the sidecar's ports holds one descriptor")
     token = security.load_token(config.token, config.token_file)
+    if config.protect_metrics and token is None:  # else /metrics would answer anyone, as if unprotected
+        raise InvalidRequest("--protect-metrics (KVSTORE_PROTECT_METRICS) needs a bearer token for /metrics to "
+                             "ask for: give --token-file FILE or KVSTORE_TOKEN")
     tls = security.read_tls(config.tls_cert, config.tls_key)
     security.check_exposure("--address", config.address, token, tls is not None, config.allow_plaintext)
     data_address = config.data_plane_address()

@@ -1,7 +1,9 @@
 """The KVStore gRPC service: each RPC translates its messages and makes one store call.
 
 Store calls run in worker threads (``asyncio.to_thread``): they copy megabytes and take the
-store's lock, and the event loop must keep serving other calls meanwhile. Errors leave through
+store's lock, and the event loop must keep serving other calls meanwhile. Get and Put streams
+make theirs on threads of their own (``transfer_threads``), so loads from a hung disk cannot
+take the threads every other call needs. Errors leave through
 ``context.abort`` with the status code of their class (``STATUS_CODES``) and the store's own
 message, and are counted in the metrics; anything else is a bug and surfaces as UNKNOWN.
 
@@ -34,6 +36,7 @@ from kvstore.service.granted_slots import GrantedLoad, GrantedSlots
 from kvstore.service.limits import ClientLeases, LimitExceeded, ServiceLimits, StreamIdle, StreamPace, TransferSlots
 from kvstore.service.metrics import ServiceMetrics
 from kvstore.service.staging import DEFAULT_RESERVATION_TTL_S, StagingArea
+from kvstore.service.transfer_threads import TransferThreads
 from kvstore.service.v1 import kvstore_pb2 as pb
 from kvstore.service.v1 import kvstore_pb2_grpc
 from kvstore.store import TieredStore
@@ -202,7 +205,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         self._staging = staging
         self._unstaged: set[bytes] = set()  # namespaces whose blocks fit no staging page (logged once)
         self._durable_puts = durable_puts
-        self._transfers = TransferSlots(limits.max_concurrent_transfers, limits.max_streams_per_client)
+        self._transfers = TransferThreads(TransferSlots(limits.max_concurrent_transfers, limits.max_streams_per_client))
         self._leases = ClientLeases(limits.max_leases_per_client)
         self._granted_slots = GrantedSlots()
         self._registering = threading.Lock()
@@ -251,7 +254,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         lease_id = self._leases.held_by(client, request.lease_id) if request.HasField("lease_id") else None
         with contextlib.ExitStack() as transfer:
             try:
-                transfer.enter_context(self._transfers.hold(client))
+                stream = transfer.enter_context(self._transfers.stream(client))
                 spec = self._store.spec(request.namespace_id)
                 self._limits.check_transfer(len(hashes), spec.block_bytes)
                 check_block_bytes(request.block_bytes or spec.block_bytes, spec.block_bytes, "destination buffer",
@@ -260,20 +263,21 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
                 await self._end_lease(lease_id)
                 raise
             messages = (self._get_as_loaded if request.stream_as_loaded else self._get_whole)(
-                request, hashes, spec.block_bytes, lease_id)
+                request, hashes, spec.block_bytes, lease_id, stream.run)
             pace = StreamPace(self._limits)
             async with contextlib.aclosing(messages):  # its lease ends now, also when the client went away
                 async for message in messages:
                     await pace.wait(context.write(message), "took no Get message")
                     pace.moved(len(message) if isinstance(message, bytes) else 0)  # chunks come encoded
 
-    async def _get_whole(self, request, hashes: list[bytes], block_bytes: int, lease_id: int | None):
-        """Get's messages when every block is loaded before the first is sent (one store call)."""
+    async def _get_whole(self, request, hashes: list[bytes], block_bytes: int, lease_id: int | None, run):
+        """Get's messages when every block is loaded before the first is sent (one store call, by
+        ``run``: its stream's ``TransferStream.run``)."""
         dsts = [np.empty(block_bytes, np.uint8) for _ in hashes]  # [block_bytes] uint8 each
         if lease_id is not None:
             self._lease_ended(lease_id)  # the load ends it in the store
         started = time.perf_counter()
-        result = await asyncio.to_thread(self._store.load, request.namespace_id, hashes, dsts, lease_id)
+        result = await run(self._store.load, request.namespace_id, hashes, dsts, lease_id)
         self.metrics.load(request.namespace_id, result.tiers, "bytes", time.perf_counter() - started)
         yield pb.GetResponse(header=pb.GetHeader(requested_blocks=len(hashes), tiers=result.tiers,
                                                  block_bytes=block_bytes))
@@ -281,11 +285,11 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         for index, offset, data in iter_chunks(dsts[: result.loaded_blocks], chunk_bytes):
             yield encode_chunk(index, offset, data)  # a serialized GetResponse (see add_to_server)
 
-    async def _get_as_loaded(self, request, hashes: list[bytes], block_bytes: int, lease_id: int | None):
+    async def _get_as_loaded(self, request, hashes: list[bytes], block_bytes: int, lease_id: int | None, run):
         """Get's messages as the groups load (``_loaded_groups``): a header per group, then its chunks."""
         chunk_bytes = self._limits.chunk_bytes(request.chunk_bytes)
         started, tiers, first_index = time.perf_counter(), [], 0
-        groups = self._loaded_groups(request.namespace_id, hashes, block_bytes, lease_id)
+        groups = self._loaded_groups(request.namespace_id, hashes, block_bytes, lease_id, run)
         try:
             async with contextlib.aclosing(groups):
                 async for result, dsts in groups:
@@ -298,9 +302,9 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         finally:
             self.metrics.load(request.namespace_id, tiers, "bytes", time.perf_counter() - started)
 
-    async def _loaded_groups(self, ns_id: bytes, hashes: list[bytes], block_bytes: int, lease_id: int | None):
-        """``(LoadResult, dsts)`` per group of about STREAM_GROUP_BYTES, in order: group i+1 loads (on a
-        thread) while group i is sent; stops after the first group that loads short (one empty
+    async def _loaded_groups(self, ns_id: bytes, hashes: list[bytes], block_bytes: int, lease_id: int | None, run):
+        """``(LoadResult, dsts)`` per group of about STREAM_GROUP_BYTES, in order: group i+1 loads (by
+        ``run``, on a transfer thread) while group i is sent; stops after the first group that loads short (one empty
         group for no hashes).
 
         The lease pins every block meanwhile, but the groups load without it: ``store.load`` ends
@@ -312,7 +316,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         per_group = max(1, STREAM_GROUP_BYTES // block_bytes)
         groups = [hashes[i : i + per_group] for i in range(0, len(hashes), per_group)] or [[]]
         load = functools.partial(_load_group, self._store, ns_id, block_bytes)
-        pending, first_index = asyncio.ensure_future(asyncio.to_thread(load, groups[0])), 0
+        pending, first_index = run(load, groups[0]), 0
         try:
             for g in range(len(groups)):
                 result, dsts = await pending
@@ -321,10 +325,10 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
                     yield result, dsts
                     self._lease_ended(lease_id)  # the load below ends it in the store
                     lease, lease_id = lease_id, None
-                    yield await asyncio.to_thread(load, hashes[first_index + result.loaded_blocks :], lease)
+                    yield await run(load, hashes[first_index + result.loaded_blocks :], lease)
                     return
                 if result.complete and g + 1 < len(groups):
-                    pending = asyncio.ensure_future(asyncio.to_thread(load, groups[g + 1]))
+                    pending = run(load, groups[g + 1])
                 yield result, dsts
                 if pending is None:
                     return
@@ -354,7 +358,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
 
     @translate_errors
     async def Put(self, request_iterator, context):
-        with self._transfers.hold(client_of(context)):
+        with self._transfers.stream(client_of(context)) as stream:
             pace = StreamPace(self._limits)
             header = wire.put_header(await pace.wait(anext(request_iterator, None), "sent no PutHeader"))
             hashes, parent = list(header.block_hashes), wire.optional(header, "parent")
@@ -368,7 +372,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
                 chunk = wire.put_chunk(message)
                 assembler.add(chunk.block_index, chunk.offset, chunk.data)
                 pace.moved(len(chunk.data))
-            return await self._put(header.namespace_id, hashes, assembler.finish(), parent, started)
+            return await self._put(header.namespace_id, hashes, assembler.finish(), parent, started, run=stream.run)
 
     @translate_errors
     async def ReserveSlots(self, request, context):
@@ -430,12 +434,13 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             _release_quietly(self._store, result.lease_id)
 
     async def _put(self, ns_id: bytes, hashes: list[bytes], payloads: list, parent: bytes | None,
-                   started: float, then=None) -> pb.PutResponse:
+                   started: float, then=None, run=asyncio.to_thread) -> pb.PutResponse:
         """Store ``payloads``; ``then(payloads)`` runs on the same worker thread once the store is done
-        with them, also when this call is cancelled meanwhile (the thread is not)."""
-        result = await asyncio.to_thread(_put_then, self._store, ns_id, hashes, payloads, parent, then)
+        with them, also when this call is cancelled meanwhile (the thread is not). ``run``: a Put
+        stream's ``TransferStream.run``."""
+        result = await run(_put_then, self._store, ns_id, hashes, payloads, parent, then)
         if self._durable_puts:
-            await asyncio.to_thread(self._store.flush)
+            await run(self._store.flush)
         nbytes = sum(p.nbytes for p in payloads)
         self.metrics.put(ns_id, result.stored, result.duplicates, result.rejected, nbytes, time.perf_counter() - started)
         return wire.put_result_to_proto(result, durable=self._durable_puts)

@@ -108,6 +108,16 @@ def test_serve_refuses_a_bad_address_with_a_message(tmp_path):
         assert done.returncode == 2 and message in done.stderr, done.stderr
 
 
+def test_protect_metrics_without_a_token_is_refused_at_start(tmp_path):
+    """Before, the sidecar started and /metrics answered anyone: nothing to ask for."""
+    done = subprocess.run([sys.executable, "-m", "kvstore.service", "--protect-metrics", "--address", "127.0.0.1:0",
+                           "--data-dir", str(tmp_path), "--host-capacity", "1MiB", "--disk-capacity", "16MiB"],
+                          capture_output=True, text=True, timeout=60,
+                          env={k: v for k, v in {**os.environ, "PYTHONPATH": REPO}.items() if not k.startswith("KVSTORE_TOKEN")})
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr.startswith("kvstore serve: --protect-metrics (KVSTORE_PROTECT_METRICS) needs a bearer token")
+
+
 @pytest.mark.parametrize("flags, message", [
     (("--address", "nosuchhost.invalid:0", "--data-address", "off"),
      "cannot listen on 'nosuchhost.invalid:0': Name or service not known; give another --address"),

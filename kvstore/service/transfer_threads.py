@@ -1,0 +1,78 @@
+"""The threads Get and Put streams make their store calls on, apart from the event loop's default
+executor that every other call (Lookup, Release, Stats, GetSlots, ...) uses.
+
+A load from a disk that hangs holds its thread until the disk answers, however long after its
+client gave up. On the default executor (min(32, CPUs + 4) threads, shared) a handful of such
+Gets left no thread for anyone's Lookup: the whole sidecar stopped answering. Here a stream's
+transfer slot (``TransferSlots``) is held until its last store call has returned, not only until
+the stream ends, and the executor has one thread per slot. So hung calls take at most
+``max_concurrent_transfers`` threads of their own, a stream past them is refused
+RESOURCE_EXHAUSTED (not queued), and the control calls go on.
+
+    threads = TransferThreads(TransferSlots(limit, per_client))
+    with threads.stream(client) as stream:          # LimitExceeded when no slot is free
+        result = await stream.run(store.load, ...)   # on a transfer thread
+    # the slot is free once the stream has ended and its last call returned
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterator
+
+from kvstore.service.limits import TransferSlots
+
+
+class TransferStream:
+    """One stream's store calls; its slot's ``release`` runs once it is closed and no call runs.
+    Used from the event loop's thread."""
+
+    def __init__(self, executor: ThreadPoolExecutor, release: Callable[[], None]):
+        self._executor, self._release = executor, release
+        self._running = 0
+        self._closed = False
+
+    def run(self, fn, *args) -> asyncio.Future:
+        """``fn(*args)`` on a transfer thread. Cancelling what this returns does not stop the call:
+        the slot stays taken until it returns."""
+        loop = asyncio.get_running_loop()
+        call = self._executor.submit(fn, *args)
+        self._running += 1
+        call.add_done_callback(lambda _: loop.call_soon_threadsafe(self._returned))
+        return asyncio.wrap_future(call)
+
+    def close(self) -> None:
+        self._closed = True
+        self._release_if_idle()
+
+    def _returned(self) -> None:
+        self._running -= 1
+        self._release_if_idle()
+
+    def _release_if_idle(self) -> None:
+        if self._closed and not self._running:
+            self._release()
+
+
+class TransferThreads:
+    """``TransferSlots`` with one thread per slot for the streams' store calls."""
+
+    def __init__(self, slots: TransferSlots):
+        self.slots = slots
+        self._executor = ThreadPoolExecutor(max_workers=slots.limit, thread_name_prefix="kvstore-transfer")
+
+    @contextlib.contextmanager
+    def stream(self, client: str = "") -> Iterator[TransferStream]:
+        """A slot for ``client``'s stream (``LimitExceeded`` if none is free), kept until the stream
+        ends and its last call returned."""
+        stream = TransferStream(self._executor, self.slots.take(client))
+        try:
+            yield stream
+        finally:
+            stream.close()
+
+    def shutdown(self) -> None:
+        """Let the threads end once their calls return (a hung one is not waited for)."""
+        self._executor.shutdown(wait=False, cancel_futures=True)

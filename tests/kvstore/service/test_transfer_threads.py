@@ -1,0 +1,79 @@
+"""Get and Put streams make their store calls on threads of their own: a disk that hangs holds
+those (at most one per transfer slot, each slot kept until its call returns), and every other
+call still answers. Before, hung loads took the event loop's shared default executor (six
+threads on two CPUs) and the whole sidecar stopped answering: Lookups of host-tier blocks and
+Stats ran past their deadlines.
+
+A real server over a real host + disk store; the disk's reads are made to hang."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+
+from kvstore.service.client import KVStoreClient
+from kvstore.service.limits import ServiceLimits, TransferSlots
+from kvstore.errors import KVStoreError
+from tests.conftest import payloads_for
+from tests.connectors.test_store_connector import stall_reads
+from tests.kvstore.store_helpers import until
+
+SLOTS = 3
+CLIENTS = 8  # more than the default executor's threads here (min(32, CPUs + 4))
+
+
+def test_gets_hung_on_the_disk_hold_their_slots_and_every_other_call_answers(make_store, start_server, namespace,
+                                                                            spec, chain):
+    store = make_store(host_bytes=1 << 20, disk_bytes=8 << 20)
+    ns_id = store.register_namespace(namespace)
+    store.put(ns_id, chain[:2], payloads_for(spec, chain[:2]))
+    store.flush()
+    store.close()
+    store = make_store(host_bytes=1 << 20, disk_bytes=8 << 20)  # those two on disk only now
+    store.register_namespace(namespace)
+    hot = payloads_for(spec, chain[2:4])
+    store.put(ns_id, chain[2:4], hot)
+    unstick = stall_reads(store.tiers[1])
+    server = start_server(store, ServiceLimits(max_concurrent_transfers=SLOTS))
+    try:
+        codes = []
+        for _ in range(CLIENTS):  # each engine gives up on its Get of a disk block
+            with KVStoreClient(server.target, timeout_s=0.5) as engine:
+                with pytest.raises(grpc.RpcError) as failed:
+                    engine.load(ns_id, chain[:1], [np.empty(spec.block_bytes, np.uint8)])
+                codes.append(failed.value.code())
+        assert codes.count(grpc.StatusCode.DEADLINE_EXCEEDED) == SLOTS
+        assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == CLIENTS - SLOTS, "refused, not queued"
+        with KVStoreClient(server.target, timeout_s=3) as other:
+            assert other.lookup(ns_id, chain[2:4]).tiers == ("host", "host")
+            assert other.stats().tier("host").blocks == 2
+            dsts = [np.empty(spec.block_bytes, np.uint8) for _ in range(2)]
+            assert other.get_slots(ns_id, chain[2:4]).hit_blocks == 2
+        unstick.set()
+        with KVStoreClient(server.target, timeout_s=10) as later:  # the slots come back as the reads return
+            assert until(lambda: _loads(later, ns_id, chain[:1], spec), timeout_s=10)
+            assert later.load(ns_id, chain[2:4], dsts).tiers == ("host", "host")
+            assert all(np.array_equal(d, p) for d, p in zip(dsts, hot))
+    finally:
+        unstick.set()
+
+
+def _loads(client, ns_id, hashes, spec) -> bool:
+    try:
+        return len(client.load(ns_id, hashes, [np.empty(spec.block_bytes, np.uint8)]).tiers) == 1  # (promoted on hit)
+    except grpc.RpcError as exc:
+        assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        return False
+
+
+def test_a_slot_is_released_once_and_only_once():
+    slots = TransferSlots(limit=1, per_client=1)
+    release = slots.take("a")
+    with pytest.raises(KVStoreError, match="max_concurrent_transfers=1"):
+        slots.take("b")
+    release()
+    release()  # again: nothing more
+    assert slots.active == 0
+    slots.take("b")
+    assert slots.active == 1
