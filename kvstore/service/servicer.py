@@ -71,6 +71,12 @@ def _load_group(store: TieredStore, ns_id: bytes, block_bytes: int, hashes: list
     return store.load(ns_id, hashes, dsts, lease_id), dsts
 
 
+def _on_disk(store: TieredStore, ns_id: bytes, hashes: list[bytes]) -> bool:
+    """Whether the store's last tier (the disk, under ``--durable-puts``) holds every one of ``hashes``."""
+    disk = store.tiers[-1]
+    return all(disk.contains(ns_id + block_hash) for block_hash in hashes)
+
+
 def _release_quietly(store: TieredStore, lease_id: int) -> None:
     try:
         store.release(lease_id)
@@ -439,11 +445,13 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         with them, also when this call is cancelled meanwhile (the thread is not). ``run``: a Put
         stream's ``TransferStream.run``."""
         result = await run(_put_then, self._store, ns_id, hashes, payloads, parent, then)
-        if self._durable_puts:
+        durable = False
+        if self._durable_puts:  # durable only if every block reached the disk (a copy refused for room did not)
             await run(self._store.flush)
+            durable = await run(_on_disk, self._store, ns_id, hashes)
         nbytes = sum(p.nbytes for p in payloads)
         self.metrics.put(ns_id, result.stored, result.duplicates, result.rejected, nbytes, time.perf_counter() - started)
-        return wire.put_result_to_proto(result, durable=self._durable_puts)
+        return wire.put_result_to_proto(result, durable=durable)
 
     def _staging_area(self) -> StagingArea:
         if self._staging is None:

@@ -344,3 +344,26 @@ def test_blocks_larger_than_a_staging_page_are_put_through_put_and_the_sidecar_s
             assert all(np.array_equal(d, p) for d, p in zip(dsts, payloads))
     finally:
         small.close()
+
+
+def test_durable_says_false_when_a_block_did_not_reach_the_disk(make_store, start_server, namespace, spec, chain):
+    """Under --durable-puts a put whose blocks the disk tier could not all hold answered
+    durable=True all the same, and a crash lost them. Now durable is True only when every block
+    is on the disk."""
+    store = make_store(host_bytes=1 << 20, disk_bytes=64 << 10, segment_bytes=64 << 10, write_policy="write_through")
+    server = start_server(store, durable_puts=True)
+    with grpc.insecure_channel(server.target) as channel:
+        stub = KVStoreStub(channel)
+        ns_id = stub.RegisterNamespace(pb.RegisterNamespaceRequest(canonical_json=namespace.canonical_json())).namespace_id
+
+        def put(hashes, parent=None):
+            header = pb.PutHeader(namespace_id=ns_id, block_hashes=hashes, parent=parent, block_bytes=spec.block_bytes)
+            chunks = [pb.PutRequest(chunk=pb.Chunk(block_index=i, offset=0, data=p.tobytes()))
+                      for i, p in enumerate(payloads_for(spec, hashes))]
+            return stub.Put(iter([pb.PutRequest(header=header), *chunks]), timeout=30)
+
+        first = put(chain[:1])
+        assert first.stored == 1 and first.durable
+        many = put(chain[1:9], parent=chain[0])
+        assert many.stored == 8 and sum(store.tiers[1].contains(ns_id + h) for h in chain[1:9]) < 8
+        assert not many.durable
