@@ -88,11 +88,13 @@ class HostConfig:
     def resolved_capacity(self) -> int:
         """The configured capacity; auto: a quarter of the available memory, at most 64 GiB and
         at most half the free room of the shared-memory directory (a container's /dev/shm is often
-        64 MiB; the rest of the room is left for the sidecar's staging area and other users)."""
+        64 MiB; the rest of the room is left for the sidecar's staging area and other users),
+        rounded down to whole pages where it holds one (the rest would go unused, with a warning)."""
         if self.capacity_bytes is not None:
             return self.capacity_bytes
         room = shutil.disk_usage(self.shm_dir or default_shm_dir()).free
-        return max(4096, min(available_memory_bytes() // 4, 64 << 30, room // 2))
+        auto = max(4096, min(available_memory_bytes() // 4, 64 << 30, room // 2))
+        return auto - auto % self.page_bytes if auto >= self.page_bytes else auto  # whole pages: none unused
 
 
 @dataclass

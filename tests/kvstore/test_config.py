@@ -66,6 +66,14 @@ def test_auto_sizes_are_positive_and_bounded(tmp_path):
     assert 0 < DiskConfig(path=str(tmp_path / "not" / "yet")).resolved_capacity() <= 1 << 40
 
 
+@pytest.mark.parametrize("page_bytes", [64 << 20, 3 << 20, 1 << 20])
+def test_the_auto_host_capacity_is_whole_pages_so_no_start_warns_of_an_unused_rest(page_bytes):
+    """Before, a quarter of the available memory, not a multiple of the page: every start with an
+    automatic capacity below about 6.4 GiB logged a WARNING of the unused rest."""
+    capacity = HostConfig(page_bytes=page_bytes).resolved_capacity()
+    assert capacity % page_bytes == 0 and capacity >= page_bytes
+
+
 def test_the_auto_host_capacity_fits_in_half_the_room_of_its_shared_memory_directory(tmp_path):
     """Before, it was a quarter of the available memory whatever the directory held: a container's
     64 MiB /dev/shm got a multi-GiB tier, refused at start (earlier: SIGBUS at the first write past the room)."""
