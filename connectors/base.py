@@ -86,8 +86,8 @@ class KVConnector(ABC):
     @property
     def namespace_id(self) -> bytes | None:
         """The id of the namespace this connector files blocks under, where it knows one: an
-        engine refuses a connector over another namespace than its own (its blocks would be
-        deleted, counted and shown under another model or tenant). Default: None (unknown)."""
+        engine warns of a connector over another namespace than its own (its blocks are deleted,
+        counted and shown under another model or tenant). Default: None (unknown)."""
         return None
 
     @abstractmethod

@@ -72,7 +72,3 @@ class TransferThreads:
             yield stream
         finally:
             stream.close()
-
-    def shutdown(self) -> None:
-        """Let the threads end once their calls return (a hung one is not waited for)."""
-        self._executor.shutdown(wait=False, cancel_futures=True)
