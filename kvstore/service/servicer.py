@@ -348,10 +348,11 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     async def GetSlots(self, request, context):
         self._limits.check_blocks("max_lookup_blocks", len(request.block_hashes))  # no payload bytes move
         client = client_of(context)
+        fit = wire.slots_that_fit(self._limits.max_message_bytes, self._store.spec(request.namespace_id).num_layers)
         started, leased_after = time.perf_counter(), time.monotonic()
         with self._leases.taking(client):
             grant = await self._leasing(context, shm.leased_slots, self._store, request.namespace_id,
-                                        list(request.block_hashes), request.lease_ttl_s)
+                                        list(request.block_hashes), request.lease_ttl_s, fit)
             if grant.lease_id is not None:
                 self._leases.add(client, grant.lease_id, request.lease_ttl_s)
         if grant.slots:  # counted at Release, as many as the client copied

@@ -62,15 +62,17 @@ def host_tier(store: TieredStore) -> HostTier | None:
     return next((t for t in store.tiers if isinstance(t, HostTier)), None)
 
 
-def leased_slots(store: TieredStore, ns_id: bytes, block_hashes: Sequence[bytes], lease_ttl_s: float) -> SlotGrant:
-    """Lease the hit of ``block_hashes`` and locate its leading host-tier run (reach-in: see above).
-    The client copies the slots itself: the caller tells the store which it copied
-    (``TieredStore.record_access``) once it knows, at the lease's Release."""
+def leased_slots(store: TieredStore, ns_id: bytes, block_hashes: Sequence[bytes], lease_ttl_s: float,
+                 max_slots: int) -> SlotGrant:
+    """Lease the hit of ``block_hashes`` and locate its leading host-tier run, at most ``max_slots``
+    of it (reach-in: see above); the client fetches the rest of the hit with Get. The client copies
+    the slots itself: the caller tells the store which it copied (``TieredStore.record_access``)
+    once it knows, at the lease's Release."""
     hit = store.lookup(ns_id, block_hashes, lease_ttl_s)
     host = host_tier(store)
     slots = []
     if host is not None and hit.lease_id is not None:
-        for block_hash, tier in zip(block_hashes, hit.tiers):
+        for block_hash, tier in zip(block_hashes[:max_slots], hit.tiers):
             key = ns_id + block_hash
             where, meta = host.slot_of(key), host.meta(key)
             if tier != host.name or where is None or meta is None:

@@ -96,6 +96,18 @@ def lookup_from_proto(msg: pb.LookupResponse) -> LookupResult:
     return LookupResult(msg.num_blocks, msg.block_size, tuple(msg.tiers), optional(msg, "lease_id"), msg.lease_refused)
 
 
+SLOTS_MARGIN_BYTES = 4 << 10  # a GetSlotsResponse's other fields: a segment path, a data-plane grant, counts
+
+
+def slots_that_fit(max_message_bytes: int, num_layers: int) -> int:
+    """The most slots of ``num_layers`` checksums one GetSlotsResponse carries within
+    ``max_message_bytes`` (at least 1). A slot costs at most its two varints (11 bytes each with
+    their tags), its packed checksums (10 bytes each) and two framings (4 bytes each): at 61
+    layers a 4 MiB message holds 6,500 slots, while a lookup may name 16,384 blocks."""
+    slot_bytes = 2 * 11 + 10 * num_layers + 2 * 4
+    return max(1, (max_message_bytes - SLOTS_MARGIN_BYTES) // slot_bytes)
+
+
 def slots_to_proto(grant: SlotGrant) -> pb.GetSlotsResponse:
     slots = [pb.Slot(offset=s.offset, nbytes=s.nbytes, layer_checksums=s.layer_checksums) for s in grant.slots]
     return pb.GetSlotsResponse(requested_blocks=grant.requested_blocks, hit_blocks=grant.hit_blocks,

@@ -12,12 +12,13 @@ import grpc
 import numpy as np
 import pytest
 
-from kvstore.keys import Namespace
+from kvstore.keys import Namespace, namespace_hashes
 from kvstore.layout import BlockSpec
+from kvstore.service import wire
 from kvstore.service.client import KVStoreClient
 from kvstore.service.limits import ServiceLimits
-from kvstore.service.shm import SegmentMaps
-from tests.conftest import payloads_for
+from kvstore.service.shm import SegmentMaps, Slot, SlotGrant
+from tests.conftest import payloads_for, tiny_namespace
 from tests.kvstore.service.test_service import rpc_error
 
 # Four 9,216-byte tiny blocks fill the host tier (12,288-byte slab slots): eviction is easy to cause.
@@ -129,6 +130,40 @@ def test_a_segment_that_cannot_be_mapped_falls_back_to_get(store, client, namesp
         assert stats.leases_active == 0
     finally:
         os.rename(path + ".elsewhere", path)
+
+
+def test_a_hit_too_long_for_one_message_gets_the_slots_that_fit_and_the_rest_through_get(make_store, start_server):
+    namespace = tiny_namespace(num_layers=61, block_size=1)  # 61 checksums a slot, as DeepSeek V3's
+    spec = BlockSpec.of(namespace)
+    fit = 5
+    # room for five slots: the old server sent all sixteen and failed the call on its own send limit
+    limits = ServiceLimits(max_chunk_bytes=4 << 10, max_message_bytes=wire.SLOTS_MARGIN_BYTES + fit * (30 + 610) + 100)
+    store = make_store(host_bytes=32 << 20, page_bytes=4 << 20, disk_bytes=64 << 20)
+    server = start_server(store, limits)
+    hashes = namespace_hashes(namespace, np.arange(16))
+    with KVStoreClient(server.target, timeout_s=30, limits=limits) as client:
+        ns_id = client.register_namespace(namespace)
+        payloads = payloads_for(spec, hashes)
+        client.put(ns_id, hashes, payloads)
+        grant = client.get_slots(ns_id, hashes, 30.0)
+        assert (grant.hit_blocks, len(grant.slots)) == (16, fit)
+        client.release_grant(grant, 0)
+        dsts = zeros(spec, 16)
+        result = client.load_shm(ns_id, hashes, dsts, verify=True)
+        assert result.tiers == ("host",) * 16
+        assert all(np.array_equal(d, p) for d, p in zip(dsts, payloads))
+        assert client.stats().tier("host").bytes_read == 11 * spec.block_bytes, "the eleven past the slots came by Get"
+
+
+@pytest.mark.parametrize("num_layers", [1, 2, 61, 200])
+def test_slots_that_fit_bounds_a_response_of_the_largest_values(num_layers):
+    limit = 64 << 10
+    count = wire.slots_that_fit(limit, num_layers)
+    slot = Slot(offset=2**64 - 1, nbytes=2**64 - 1, layer_checksums=(2**64 - 1,) * num_layers)
+    grant = SlotGrant(2**31, 2**31, "/dev/shm/" + "x" * 246, (slot,) * count, 2**63 - 1, True, 2**62,
+                      b"\xff" * 64, 65535)
+    size = wire.slots_to_proto(grant).ByteSize()
+    assert 0.85 * (limit - wire.SLOTS_MARGIN_BYTES) < size <= limit, "within the limit, and not far below it"
 
 
 def test_a_miss_takes_no_lease_and_a_bad_ttl_is_invalid(client, namespace, spec, chain):
