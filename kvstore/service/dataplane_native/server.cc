@@ -50,6 +50,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <cerrno>
 #include <cstring>
 #include <map>
@@ -98,6 +99,17 @@ bool constant_time_equal(const std::string& a, const std::string& b) {
   unsigned char diff = 0;
   for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
   return diff == 0;
+}
+
+// `presented` is "<scheme> <token>" with the scheme "Bearer" in any case (RFC 9110), as the
+// gRPC port's check (kvstore/service/security.py token_matches); the token compared in constant time.
+bool bearer_matches(const std::string& presented, const std::string& token) {
+  static const std::string kScheme = "bearer";
+  size_t space = presented.find(' ');
+  if (space != kScheme.size()) return false;
+  for (size_t i = 0; i < space; ++i)
+    if (std::tolower(static_cast<unsigned char>(presented[i])) != kScheme[i]) return false;
+  return constant_time_equal(presented.substr(space + 1), token);
 }
 
 class DataPlaneServer;
@@ -238,7 +250,7 @@ class DataPlaneServer : public grpc::CallbackGenericService {
     const auto& metadata = context->client_metadata();
     auto it = metadata.find("authorization");
     if (it == metadata.end()) return false;
-    return constant_time_equal(std::string(it->second.data(), it->second.size()), "Bearer " + bearer_);
+    return bearer_matches(std::string(it->second.data(), it->second.size()), bearer_);
   }
 
   size_t active_grants() {

@@ -276,6 +276,29 @@ def test_the_bearer_token_is_required_when_configured(segment):
         server.stop()
 
 
+def test_the_bearer_scheme_is_matched_in_any_case_and_the_token_exactly(segment):
+    """As the gRPC port's check: RFC 9110 makes the scheme case-insensitive, never the token."""
+    server = DataPlaneServer("127.0.0.1:0", segment[0], token=TOKEN)
+    try:
+        grant = server.grant(1, REGIONS[:1], ttl_s=30)
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = BlockDataStub(channel)
+
+            def read(authorization: str) -> bytes:
+                request = pb.ReadSlotsRequest(grant=grant)
+                return b"".join(m.data for m in stub.ReadSlots(request, metadata=[("authorization", authorization)]))
+
+            for scheme in ("Bearer", "bearer", "BEARER"):
+                expect(segment, REGIONS[:1], [np.frombuffer(read(f"{scheme} {TOKEN}"), np.uint8)])
+            for refused in (f"Bearer {TOKEN.upper()}", f"Bearer  {TOKEN}", f"Bearer{TOKEN}", f"Basic {TOKEN}",
+                            f"Bearer {TOKEN} ", f"bearers {TOKEN}", TOKEN):
+                with pytest.raises(grpc.RpcError) as info:
+                    read(refused)
+                assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, refused
+    finally:
+        server.stop()
+
+
 def test_tls_serves_a_client_that_trusts_the_certificate_only(segment, tls_files):
     cert, key = (open(f, "rb").read() for f in tls_files)
     server = DataPlaneServer("127.0.0.1:0", segment[0], tls=(cert, key))
