@@ -33,10 +33,12 @@ from typing import Callable, Iterable, Sequence
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from kvstore.service.v1 import kvstore_pb2 as pb
 from kvstore.store import TieredStore
 
 LATENCY_BUCKETS_S = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 OTHER_NAMESPACE = "other"
+KVSTORE_SERVICE = pb.DESCRIPTOR.services_by_name["KVStore"].full_name  # the calls counted: "kvstore.v1.KVStore"
 LOAD_PATHS = ("bytes", "shm")  # what Get sent; the slots of a GetSlots grant the client copied
 
 
@@ -197,6 +199,15 @@ class ServiceMetrics:
     def call(self, method: str) -> None:
         """A call of ``method`` came, whatever its outcome (the error ratio's denominator)."""
         self.calls.labels(method).inc()
+
+    def refused(self, full_method: str) -> None:
+        """A call of ``full_method`` (``/kvstore.v1.KVStore/Lookup``) was refused for want of the
+        token, before any handler ran: a call and an UNAUTHENTICATED error of the KVStore service's
+        method; other services' calls (reflection) are not counted."""
+        service, _, method = full_method.strip("/").partition("/")
+        if service == KVSTORE_SERVICE:
+            self.call(method)
+            self.error(method, "UNAUTHENTICATED")
 
     def recent_lookups(self, since_s: float = 0.0) -> list[LookupRecord]:
         with self._lock:

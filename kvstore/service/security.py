@@ -21,6 +21,7 @@ import hmac
 import ipaddress
 import os
 import ssl
+from typing import Callable
 
 import grpc
 
@@ -114,10 +115,13 @@ def token_matches(presented: str | None, token: str) -> bool:
 
 
 class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
-    """Every call but the health service's must carry ``authorization: Bearer TOKEN``."""
+    """Every call but the health service's must carry ``authorization: Bearer TOKEN``.
+    ``on_refused``, if given, hears the full method name (``/kvstore.v1.KVStore/Lookup``) of each
+    call refused, before it is answered (the sidecar counts them in its metrics)."""
 
-    def __init__(self, token: str):
+    def __init__(self, token: str, on_refused: Callable[[str], None] | None = None):
         self._token = token
+        self._on_refused = on_refused
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -126,6 +130,8 @@ class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
         metadata = dict(handler_call_details.invocation_metadata or ())
         if token_matches(metadata.get(AUTH_METADATA), self._token):
             return handler
+        if self._on_refused is not None:
+            self._on_refused(handler_call_details.method)
         return _refusing(handler, handler_call_details.method)
 
 

@@ -77,9 +77,9 @@ async def create_server(address: str, store: TieredStore, limits: ServiceLimits 
     ``token``: every call but health checks needs it; ``tls``: (cert chain, key) PEM bytes.
     ``data_plane``: a started native data plane over the store's host tier, for GetSlots to grant to.
     """
-    interceptors = [security.BearerAuthInterceptor(token)] if token else []
-    server = grpc.aio.server(options=server_options(limits), interceptors=interceptors)
     servicer = KVStoreServicer(store, limits, metrics, staging, durable_puts, data_plane)
+    interceptors = [security.BearerAuthInterceptor(token, servicer.metrics.refused)] if token else []
+    server = grpc.aio.server(options=server_options(limits), interceptors=interceptors)
     if data_plane is not None:
         servicer.metrics.watch_data_plane(data_plane)
     add_to_server(servicer, server)

@@ -15,6 +15,7 @@ from kvstore.layout import BlockSpec
 from kvstore.service import security
 from kvstore.service.client import KVStoreClient
 from tests.conftest import payloads_for, tiny_namespace
+from tests.kvstore.service.test_metrics import scrape
 
 TOKEN = "s3cret-token"
 
@@ -44,6 +45,11 @@ def test_calls_without_the_token_are_unauthenticated_with_a_message_and_health_s
     with grpc.insecure_channel(token_server.target) as channel:  # probes carry no token
         reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    got = scrape(token_server.metrics.registry)  # the refused calls count as calls and errors
+    for method in ("RegisterNamespace", "Get", "Stats"):
+        assert got[("kvstore_grpc_calls_total", (("method", method),))] == 1, method
+        assert got[("kvstore_grpc_errors_total", (("code", "UNAUTHENTICATED"), ("method", method)))] == 1, method
+    assert not any("Check" in str(labels) for _, labels in got), "health checks are not the KVStore service's calls"
 
     monkeypatch.setenv("KVSTORE_TOKEN", TOKEN)  # the client reads it from the environment
     with KVStoreClient(token_server.target, timeout_s=10) as trusted:
