@@ -30,6 +30,23 @@ def iter_chunks(payloads: Sequence[np.ndarray], chunk_bytes: int) -> Iterator[tu
             yield index, offset, payload[offset : offset + chunk_bytes]
 
 
+class SentBlocks:
+    """How many leading blocks of a stream went out whole. ``chunks`` is ``iter_chunks`` with block
+    indices from ``first_index``; it is asked for a chunk only once the one before was written, so
+    when it hands out a chunk of block ``i`` every block before ``i`` was sent, and when it is
+    asked past the last chunk every block was."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def chunks(self, payloads: Sequence[np.ndarray], first_index: int,
+               chunk_bytes: int) -> Iterator[tuple[int, int, np.ndarray]]:
+        for index, offset, data in iter_chunks(payloads, chunk_bytes):
+            self.count = first_index + index
+            yield first_index + index, offset, data
+        self.count = first_index + len(payloads)
+
+
 def check_block_bytes(declared: int, expected: int, what: str, num_blocks: int) -> None:
     """The size a caller declared for its ``num_blocks`` payloads or buffers must be the block size."""
     if num_blocks and declared != expected:

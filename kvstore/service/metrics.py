@@ -164,10 +164,9 @@ class ServiceMetrics:
         while len(recent) > 1 and (len(recent) > self._max_recent_lookups or self._recent_keys > self._max_recent_keys):
             self._recent_keys -= len(recent.popleft().keys)
 
-    def load(self, ns_id: bytes, tiers: Sequence[str], path: str, seconds: float) -> None:
-        """A Get (``path="bytes"``) that sent blocks from ``tiers``, or a GetSlots (``"shm"``, no
-        ``tiers``: its slots count at Release, through ``loaded``), that took ``seconds``."""
-        self.loaded(ns_id, tiers, path)
+    def load_took(self, path: str, seconds: float) -> None:
+        """A Get's load (``path="bytes"``: the store's load, or a streamed Get's whole stream) or a
+        GetSlots (``"shm"``) took ``seconds``. What they handed over counts through ``loaded``."""
         self.load_seconds.labels(path).observe(seconds)
         self._latency("load", seconds)
 

@@ -30,7 +30,7 @@ from kvstore.errors import InvalidRequest, KVStoreError, NotPermitted, StoreClos
 from kvstore.keys import DIGEST_BYTES
 from kvstore.service import shm, wire
 from kvstore.service.chunk_codec import encode_chunk
-from kvstore.service.chunks import BlockAssembler, check_block_bytes, iter_chunks
+from kvstore.service.chunks import BlockAssembler, SentBlocks, check_block_bytes
 from kvstore.service.dataplane import DataPlaneServer
 from kvstore.service.granted_slots import GrantedLoad, GrantedSlots
 from kvstore.service.limits import ClientLeases, LimitExceeded, ServiceLimits, StreamIdle, StreamPace, TransferSlots
@@ -284,29 +284,34 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             self._lease_ended(lease_id)  # the load ends it in the store
         started = time.perf_counter()
         result = await run(self._store.load, request.namespace_id, hashes, dsts, lease_id)
-        self.metrics.load(request.namespace_id, result.tiers, "bytes", time.perf_counter() - started)
-        yield pb.GetResponse(header=pb.GetHeader(requested_blocks=len(hashes), tiers=result.tiers,
-                                                 block_bytes=block_bytes))
-        chunk_bytes = self._limits.chunk_bytes(request.chunk_bytes)
-        for index, offset, data in iter_chunks(dsts[: result.loaded_blocks], chunk_bytes):
-            yield encode_chunk(index, offset, data)  # a serialized GetResponse (see add_to_server)
+        self.metrics.load_took("bytes", time.perf_counter() - started)
+        sent = SentBlocks()
+        try:
+            yield pb.GetResponse(header=pb.GetHeader(requested_blocks=len(hashes), tiers=result.tiers,
+                                                     block_bytes=block_bytes))
+            for index, offset, data in sent.chunks(dsts[: result.loaded_blocks], 0,
+                                                   self._limits.chunk_bytes(request.chunk_bytes)):
+                yield encode_chunk(index, offset, data)  # a serialized GetResponse (see add_to_server)
+        finally:  # a client gone mid-stream was handed only some
+            self.metrics.loaded(request.namespace_id, result.tiers[: sent.count], "bytes")
 
     async def _get_as_loaded(self, request, hashes: list[bytes], block_bytes: int, lease_id: int | None, run):
         """Get's messages as the groups load (``_loaded_groups``): a header per group, then its chunks."""
         chunk_bytes = self._limits.chunk_bytes(request.chunk_bytes)
-        started, tiers, first_index = time.perf_counter(), [], 0
+        started, tiers, sent = time.perf_counter(), [], SentBlocks()
         groups = self._loaded_groups(request.namespace_id, hashes, block_bytes, lease_id, run)
         try:
             async with contextlib.aclosing(groups):
                 async for result, dsts in groups:
+                    first_index = len(tiers)
                     tiers += result.tiers
                     yield pb.GetResponse(header=pb.GetHeader(requested_blocks=len(hashes), tiers=result.tiers,
                                                              block_bytes=block_bytes))
-                    for index, offset, data in iter_chunks(dsts[: result.loaded_blocks], chunk_bytes):
-                        yield encode_chunk(first_index + index, offset, data)
-                    first_index += result.loaded_blocks
+                    for index, offset, data in sent.chunks(dsts[: result.loaded_blocks], first_index, chunk_bytes):
+                        yield encode_chunk(index, offset, data)
         finally:
-            self.metrics.load(request.namespace_id, tiers, "bytes", time.perf_counter() - started)
+            self.metrics.loaded(request.namespace_id, tiers[: sent.count], "bytes")
+            self.metrics.load_took("bytes", time.perf_counter() - started)
 
     async def _loaded_groups(self, ns_id: bytes, hashes: list[bytes], block_bytes: int, lease_id: int | None, run):
         """``(LoadResult, dsts)`` per group of about STREAM_GROUP_BYTES, in order: group i+1 loads (by
@@ -360,7 +365,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
                                     request.lease_ttl_s)
         if self._data_plane is not None and grant.slots:
             grant = await self._granted(grant, leased_after + request.lease_ttl_s)
-        self.metrics.load(request.namespace_id, (), "shm", time.perf_counter() - started)
+        self.metrics.load_took("shm", time.perf_counter() - started)
         return wire.slots_to_proto(grant)
 
     @translate_errors

@@ -11,10 +11,13 @@ from fastapi.testclient import TestClient
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvstore.keys import Namespace
+from kvstore.layout import BlockSpec
 from kvstore.service.client import KVStoreClient
 from kvstore.service.http import create_http_app
 from kvstore.service.metrics import METRIC_NAMES, NamespaceLabels, ServiceMetrics
 from kvstore.service.v1 import kvstore_pb2 as pb
+from kvstore.service.v1.kvstore_pb2_grpc import KVStoreStub
 from tests.conftest import payloads_for
 
 
@@ -157,6 +160,32 @@ def test_slots_of_a_lease_that_expires_or_that_a_get_ends_count_for_nothing(serv
     assert not client.release_grant(taken, copied_blocks=2), "the Get ended it: NOT_FOUND"
     assert loaded_tokens(server) == {"bytes": 8, "shm": 0}
     assert client.stats().leases_active == 0
+
+
+@pytest.mark.parametrize("stream_as_loaded", [False, True])
+def test_a_get_the_client_abandons_counts_only_the_blocks_sent(server, client, stream_as_loaded):
+    namespace = Namespace(model="deepseek-v3.2", model_config_hash="cfg", num_layers=61,
+                          components=("mla_fp8_ds", "indexer_fp8"), block_size=64)
+    spec = BlockSpec.of(namespace)  # 3 MiB blocks: flow control stops the server long before the fourth
+    hashes = [bytes([i]) * 16 for i in range(1, 5)]
+    ns_id = client.register_namespace(namespace)
+    client.put(ns_id, hashes, payloads_for(spec, hashes))
+    with grpc.insecure_channel(server.target) as channel:
+        request = pb.GetRequest(namespace_id=ns_id, block_hashes=hashes, chunk_bytes=64 << 10,
+                                stream_as_loaded=stream_as_loaded)
+        stream = KVStoreStub(channel).Get(request, timeout=30)
+        assert next(stream).HasField("header") and next(stream).HasField("chunk")
+        stream.cancel()
+    deadline = time.monotonic() + 10
+    while not scrape(server.metrics.registry).get(("kvstore_load_duration_seconds_count", (("path", "bytes"),))):
+        assert time.monotonic() < deadline, "the abandoned Get never ended"
+        time.sleep(0.01)
+    sent = scrape(server.metrics.registry).get(("kvstore_loaded_tokens_total", (("path", "bytes"), ("tier", "host"))), 0)
+    assert sent < 4 * spec.block_size, "the blocks loaded but never sent do not count"
+    full = client.load(ns_id, hashes, [np.zeros(spec.block_bytes, np.uint8) for _ in hashes])
+    assert full.complete
+    got = scrape(server.metrics.registry)
+    assert got[("kvstore_loaded_tokens_total", (("path", "bytes"), ("tier", "host")))] == sent + 4 * spec.block_size
 
 
 def test_namespace_labels_are_bounded():

@@ -62,7 +62,8 @@ class Traffic:
     def load(self, ns_id: bytes, hashes: list[bytes], seconds: float = 0.001) -> tuple[str, ...]:
         spec = self.store.spec(ns_id)
         result = self.store.load(ns_id, hashes, [np.zeros(spec.block_bytes, np.uint8) for _ in hashes])
-        self.metrics.load(ns_id, result.tiers, "bytes", seconds)
+        self.metrics.load_took("bytes", seconds)
+        self.metrics.loaded(ns_id, result.tiers, "bytes")
         return result.tiers
 
 
