@@ -1,9 +1,9 @@
 """The KVStore gRPC service: each RPC translates its messages and makes one store call.
 
-Store calls run in worker threads (``asyncio.to_thread``): they copy megabytes and take the
-store's lock, and the event loop must keep serving other calls meanwhile. Get and Put streams
-make theirs on threads of their own (``transfer_threads``), so loads from a hung disk cannot
-take the threads every other call needs. Errors leave through
+Store calls run in worker threads (``asyncio.to_thread``; those of more than one store method are
+in ``store_calls``): they copy megabytes and take the store's lock, and the event loop must keep
+serving other calls meanwhile. Get, Put and CommitSlots make theirs on threads of their own
+(``transfer_threads``), so loads from a hung disk cannot take the threads every other call needs. Errors leave through
 ``context.abort`` with the status code of their class (``STATUS_CODES``) and the store's own
 message, and are counted in the metrics; anything else is a bug and surfaces as UNKNOWN.
 
@@ -27,8 +27,8 @@ import grpc
 import numpy as np
 
 from kvstore.errors import InvalidRequest, KVStoreError, NotPermitted, StoreClosed, UnknownLease, UnknownNamespace
-from kvstore.keys import DIGEST_BYTES
-from kvstore.service import shm, wire
+from kvstore.results import PutResult
+from kvstore.service import shm, store_calls, wire
 from kvstore.service.chunk_codec import encode_chunk
 from kvstore.service.chunks import BlockAssembler, SentBlocks, check_block_bytes
 from kvstore.service.dataplane import DataPlaneServer
@@ -41,7 +41,6 @@ from kvstore.service.v1 import kvstore_pb2 as pb
 from kvstore.service.v1 import kvstore_pb2_grpc
 from kvstore.store import TieredStore
 from kvstore.tiers.host import HostTier
-from kvstore.validation import check_chain, check_hashes
 
 log = logging.getLogger(__name__)
 
@@ -62,71 +61,6 @@ STATUS_CODES: dict[type, grpc.StatusCode] = {
 CLIENT_METADATA = "kvstore-client"
 STREAM_GROUP_BYTES = 4 << 20  # a streamed Get loads about this much ahead of what it sends
 GRANT_MARGIN_S = 0.05  # a data-plane grant ends this long before its lease (same monotonic clock)
-
-
-def _load_group(store: TieredStore, ns_id: bytes, block_bytes: int, hashes: list[bytes],
-                lease_id: int | None = None):
-    """``store.load`` of ``hashes`` into new buffers (ending ``lease_id``, if given); the result and buffers."""
-    dsts = [np.empty(block_bytes, np.uint8) for _ in hashes]  # [block_bytes] uint8 each
-    return store.load(ns_id, hashes, dsts, lease_id), dsts
-
-
-def _on_disk(store: TieredStore, ns_id: bytes, hashes: list[bytes]) -> bool:
-    """Whether the store's last tier (the disk, under ``--durable-puts``) holds every one of ``hashes``."""
-    disk = store.tiers[-1]
-    return all(disk.contains(ns_id + block_hash) for block_hash in hashes)
-
-
-def _release_quietly(store: TieredStore, lease_id: int) -> None:
-    try:
-        store.release(lease_id)
-    except UnknownLease:  # expired meanwhile: the blocks were served unpinned, and each verified
-        pass
-
-
-def _check_put_chain(hashes, parent: bytes | None) -> None:
-    """What ``store.put`` checks of a chain (16-byte hashes, distinct, the parent not among them),
-    at the call's start: before a Put's payload arrives or a ReserveSlots takes staging space."""
-    check_hashes(hashes)
-    if parent is not None and len(parent) != DIGEST_BYTES:
-        raise InvalidRequest(f"parent must be a {DIGEST_BYTES}-byte block hash (the one before block_hashes[0]), "
-                             f"got {len(parent)} bytes")
-    check_chain(hashes, parent)
-
-
-def _put_then(store: TieredStore, ns_id: bytes, hashes: list[bytes], payloads: list, parent: bytes | None, then):
-    """``store.put``, then ``then(payloads)`` (if given) once the store no longer reads them."""
-    try:
-        return store.put(ns_id, hashes, payloads, parent)
-    finally:
-        if then is not None:
-            then(payloads)
-
-
-async def _undone_if_abandoned(undo, context, call, *args):
-    """``call(*args)`` on a worker thread. If the RPC awaiting it is cancelled meanwhile (its client
-    went away, its deadline passed), ``undo(result)`` runs on a worker thread once ``call``
-    returns: what it took (a lease, a reservation) belongs to no one who could end it. So it does
-    when ``call`` returns after the RPC's deadline (``context.time_remaining()``) but before gRPC
-    has cancelled the handler: the client has its DEADLINE_EXCEEDED already, and the handler ends
-    cancelled. A cancellation that arrives after that check, before the answer is sent, still
-    leaves what was taken to its TTL."""
-    calling = asyncio.ensure_future(asyncio.to_thread(call, *args))
-    try:
-        result = await asyncio.shield(calling)
-    except asyncio.CancelledError:
-        calling.add_done_callback(functools.partial(_undo_result, undo))
-        raise
-    remaining = context.time_remaining()
-    if remaining is not None and remaining <= 0:
-        await asyncio.to_thread(undo, result)
-        raise asyncio.CancelledError("the call's deadline passed before its answer was ready")
-    return result
-
-
-def _undo_result(undo, calling: asyncio.Future) -> None:
-    if not calling.cancelled() and calling.exception() is None:
-        calling.get_loop().run_in_executor(None, undo, calling.result())
 
 
 def status_code(exc: KVStoreError) -> grpc.StatusCode:
@@ -326,7 +260,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         """
         per_group = max(1, STREAM_GROUP_BYTES // block_bytes)
         groups = [hashes[i : i + per_group] for i in range(0, len(hashes), per_group)] or [[]]
-        load = functools.partial(_load_group, self._store, ns_id, block_bytes)
+        load = functools.partial(store_calls.load_group, self._store, ns_id, block_bytes)
         pending, first_index = run(load, groups[0]), 0
         try:
             for g in range(len(groups)):
@@ -376,7 +310,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             hashes, parent = list(header.block_hashes), wire.optional(header, "parent")
             spec = self._store.spec(header.namespace_id)
             self._limits.check_transfer(len(hashes), spec.block_bytes)
-            _check_put_chain(hashes, parent)
+            store_calls.check_put_chain(hashes, parent)
             check_block_bytes(header.block_bytes, spec.block_bytes, "block payload", len(hashes))
             assembler = BlockAssembler(len(hashes), spec.block_bytes, self._limits.max_chunk_bytes)
             started = time.perf_counter()
@@ -392,23 +326,31 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         hashes, parent = tuple(request.block_hashes), wire.optional(request, "parent")
         spec = self._store.spec(request.namespace_id)
         self._limits.check_transfer(len(hashes), spec.block_bytes)
-        _check_put_chain(hashes, parent)
+        store_calls.check_put_chain(hashes, parent)
         check_block_bytes(request.block_bytes, spec.block_bytes, "block payload", len(hashes))
         ttl_s = request.ttl_s or DEFAULT_RESERVATION_TTL_S
         reserve = functools.partial(staging.reserve, request.namespace_id, hashes, parent,
                                     spec.block_bytes, spec.num_layers, ttl_s, owner=client_of(context),
                                     owner_limit=self._limits.max_reservations_per_client)
-        reservation = await _undone_if_abandoned(staging.cancel, context, reserve)
+        reservation = await store_calls.undone_if_abandoned(staging.cancel, context, reserve)
         return wire.reservation_to_proto(reservation, staging.segment_path, ttl_s)
 
     @translate_errors
     async def CommitSlots(self, request, context):
-        staging = self._staging_area()
-        started = time.perf_counter()
-        reservation, payloads = await asyncio.to_thread(staging.take, request.reservation_id,
-                                                        wire.commit_checksums(request), client_of(context))
-        return await self._put(reservation.ns_id, list(reservation.block_hashes), payloads, reservation.parent,
-                               started, then=staging.recycle)
+        staging, client = self._staging_area(), client_of(context)
+        checksums = wire.commit_checksums(request)
+        with contextlib.ExitStack() as transfer:
+            try:  # a transfer like Put: it copies the blocks out of staging and stores them
+                stream = transfer.enter_context(self._transfers.stream(client))
+            except LimitExceeded:  # refused: the reservation ends too, as after any failed commit
+                staging.drop(request.reservation_id, client)
+                raise
+            started = time.perf_counter()
+            reservation, result = await stream.run(store_calls.commit, self._store, staging, request.reservation_id, checksums,
+                                                   client)
+            nbytes = len(reservation.block_hashes) * reservation.block_bytes
+            return await self._put_answer(reservation.ns_id, list(reservation.block_hashes), result, nbytes, started,
+                                          stream.run)
 
     async def _granted(self, grant: shm.SlotGrant, lease_ends_by: float) -> shm.SlotGrant:
         """``grant`` with a data-plane grant of its slots that ends before its lease does
@@ -434,28 +376,31 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         """End ``lease_id`` (if any) now: forgotten here, then released in the store."""
         if lease_id is not None:
             self._lease_ended(lease_id)
-            await asyncio.to_thread(_release_quietly, self._store, lease_id)
+            await asyncio.to_thread(store_calls.release_quietly, self._store, lease_id)
 
     async def _leasing(self, context, take, *args):
         """``take(*args)``, a store call whose result may carry a ``lease_id``, on a worker thread
-        (``_undone_if_abandoned``: a lease taken for a call given up on is released)."""
-        return await _undone_if_abandoned(self._release_orphaned_lease, context, take, *args)
+        (``store_calls.undone_if_abandoned``: a lease taken for a call given up on is released)."""
+        return await store_calls.undone_if_abandoned(self._release_orphaned_lease, context, take, *args)
 
     def _release_orphaned_lease(self, result) -> None:
         if result.lease_id is not None:
-            _release_quietly(self._store, result.lease_id)
+            store_calls.release_quietly(self._store, result.lease_id)
 
     async def _put(self, ns_id: bytes, hashes: list[bytes], payloads: list, parent: bytes | None,
-                   started: float, then=None, run=asyncio.to_thread) -> pb.PutResponse:
-        """Store ``payloads``; ``then(payloads)`` runs on the same worker thread once the store is done
-        with them, also when this call is cancelled meanwhile (the thread is not). ``run``: a Put
-        stream's ``TransferStream.run``."""
-        result = await run(_put_then, self._store, ns_id, hashes, payloads, parent, then)
+                   started: float, run) -> pb.PutResponse:
+        """Store ``payloads`` by ``run`` (a Put stream's ``TransferStream.run``) and answer."""
+        result = await run(self._store.put, ns_id, hashes, payloads, parent)
+        return await self._put_answer(ns_id, hashes, result, sum(p.nbytes for p in payloads), started, run)
+
+    async def _put_answer(self, ns_id: bytes, hashes: list[bytes], result: PutResult, nbytes: int, started: float,
+                          run) -> pb.PutResponse:
+        """A put's answer and metrics; under ``--durable-puts`` once the blocks reached the disk (``run``
+        makes the store calls)."""
         durable = False
         if self._durable_puts:  # durable only if every block reached the disk (a copy refused for room did not)
             await run(self._store.flush)
-            durable = await run(_on_disk, self._store, ns_id, hashes)
-        nbytes = sum(p.nbytes for p in payloads)
+            durable = await run(store_calls.on_disk, self._store, ns_id, hashes)
         self.metrics.put(ns_id, result.stored, result.duplicates, result.rejected, nbytes, time.perf_counter() - started)
         return wire.put_result_to_proto(result, durable=durable)
 

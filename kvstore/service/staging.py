@@ -175,6 +175,14 @@ class StagingArea:
             if self._reservations.get(reservation.reservation_id) is reservation:
                 self._end(reservation.reservation_id)
 
+    def drop(self, reservation_id: int, owner: str = "") -> None:
+        """End ``owner``'s reservation unused, by id (a commit refused before ``take``); nothing if
+        it is unknown, lapsed or another owner's."""
+        with self._lock:
+            reservation = self._reservations.get(reservation_id)
+            if reservation is not None and reservation.owner == owner:
+                self._end(reservation_id)
+
     def recycle(self, copies: list[np.ndarray]) -> None:
         """Give back the copies ``take`` returned once they are no longer read (optional: a faster
         next take). At most the area's capacity is kept, of the sizes recycled most recently."""

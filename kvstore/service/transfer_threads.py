@@ -1,5 +1,5 @@
-"""The threads Get and Put streams make their store calls on, apart from the event loop's default
-executor that every other call (Lookup, Release, Stats, GetSlots, ...) uses.
+"""The threads Get and Put streams (and CommitSlots) make their store calls on, apart from the
+event loop's default executor that every other call (Lookup, Release, Stats, GetSlots, ...) uses.
 
 A load from a disk that hangs holds its thread until the disk answers, however long after its
 client gave up. On the default executor (min(32, CPUs + 4) threads, shared) a handful of such

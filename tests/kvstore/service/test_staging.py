@@ -279,6 +279,53 @@ def test_a_commit_given_up_on_while_its_put_waits_stores_its_own_bytes_not_the_n
     assert np.array_equal(loaded[0], first), "the first block holds its own bytes"
 
 
+def test_a_commit_whose_client_leaves_while_it_copies_out_still_stores(store, staged_stub, staging, namespace, spec,
+                                                                       chain):
+    """The copy out of staging and the put run as one call: before, the copies of a commit given up
+    on during the copy were dropped, the reservation already ended, and nothing was stored."""
+    stub, ns_id = staged_stub, register(staged_stub, namespace)
+    (payload,) = payloads_for(spec, chain[:1])
+    reserved = reserve(stub, ns_id, chain[:1], spec, "tenant-a")
+    commit = pb.CommitSlotsRequest(reservation_id=reserved.reservation_id, blocks=write_slots(reserved, [payload]))
+    unstick = hold_store_lock(staging)  # take waits for the staging area's lock
+    try:
+        error = rpc_error(stub.CommitSlots, commit, metadata=as_client("tenant-a"), timeout=0.3)
+        assert error.code() == Code.DEADLINE_EXCEEDED
+        time.sleep(0.2)  # the server has seen the cancellation
+    finally:
+        unstick.set()
+    assert until(lambda: store.lookup(ns_id, chain[:1]).hit_blocks == 1), "the commit went on and stored"
+    loaded = [np.zeros(spec.block_bytes, np.uint8)]
+    assert store.load(ns_id, chain[:1], loaded).complete and np.array_equal(loaded[0], payload)
+    assert staging.active() == 0
+
+
+def test_a_commit_refused_a_transfer_slot_ends_its_reservation(store, start_server, staging, namespace, spec, chain):
+    """A commit moves blocks like a Put and takes a transfer slot; refused one, its staging is freed."""
+    server = start_server(store, ServiceLimits(max_concurrent_transfers=1), staging=staging)
+    with grpc.insecure_channel(server.target) as channel:
+        stub = KVStoreStub(channel)
+        ns_id = register(stub, namespace)
+        payloads = payloads_for(spec, chain[:2])
+        commits = []
+        for i in range(2):
+            reserved = reserve(stub, ns_id, chain[i : i + 1], spec, f"tenant-{i}")
+            commits.append(pb.CommitSlotsRequest(reservation_id=reserved.reservation_id,
+                                                 blocks=write_slots(reserved, payloads[i : i + 1])))
+        unstick = hold_store_lock(store)  # the first commit's put holds the only transfer slot
+        try:
+            first = stub.CommitSlots.future(commits[0], metadata=as_client("tenant-0"), timeout=30)
+            assert until(lambda: staging.active() == 1), "the first commit has taken its copies"
+            error = rpc_error(stub.CommitSlots, commits[1], metadata=as_client("tenant-1"), timeout=10)
+            assert error.code() == Code.RESOURCE_EXHAUSTED and "max_concurrent_transfers=1" in error.details()
+            assert staging.active() == 0, "the refused commit's reservation ended with it"
+        finally:
+            unstick.set()
+        assert first.result().stored == 1
+        again = rpc_error(stub.CommitSlots, commits[1], metadata=as_client("tenant-1"), timeout=10)
+        assert again.code() == Code.NOT_FOUND and "reserve again" in again.details()
+
+
 def test_spare_copies_stay_within_the_area_and_keep_the_sizes_recycled_last(tmp_path):
     area = StagingArea(256 << 10, shm_dir=str(tmp_path), page_bytes=64 << 10)  # keeps 256 KiB of spares
     try:
