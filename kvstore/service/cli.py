@@ -24,7 +24,7 @@ import sys
 
 from kvstore.config import StoreConfig, default_data_dir, parse_size, read_as
 from kvstore.errors import KVStoreError, describe_os_error
-from kvstore.service.config import DEFAULT_ADDRESS, ServeConfig
+from kvstore.service.config import DEFAULT_ADDRESS, ServeConfig, staging_size
 from kvstore.service.config_file import layered_environment
 
 
@@ -42,7 +42,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         "blocks to clients on other hosts, 'auto' (the --address host, any free port) or 'off' "
                         "(default auto)")
     parser.add_argument("--staging-capacity", help="shared-memory staging for same-host puts, e.g. 256MiB; 0 "
-                        "disables it (default 256MiB)")
+                        "disables it (default auto: 256MiB, at most half the room the host tier left in the "
+                        "shared-memory directory)")
     parser.add_argument("--token-file", help="file whose first line is the bearer token clients must send "
                         "(or set KVSTORE_TOKEN); required beyond loopback")
     parser.add_argument("--tls-cert", help="PEM certificate chain: serve gRPC and HTTP over TLS")
@@ -87,7 +88,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     environ = layered_environment(args.config)
     staging = None if args.staging_capacity is None else read_as("--staging-capacity", args.staging_capacity,
-                                                                 parse_size)
+                                                                 staging_size)
     config = ServeConfig.from_env(environ, address=args.address, http_address=args.http_address,
                                   data_address=args.data_address, token_file=args.token_file,
                                   tls_cert=args.tls_cert, tls_key=args.tls_key, allow_plaintext=args.allow_plaintext,

@@ -12,8 +12,9 @@ Flags override the environment, the environment overrides the embedded defaults:
     KVSTORE_TLS_CERT, KVSTORE_TLS_KEY     PEM files: gRPC (and HTTP) over TLS
     KVSTORE_ALLOW_PLAINTEXT=0             serve every port beyond loopback without TLS (trusted networks only)
     KVSTORE_PROTECT_METRICS=0             /metrics needs the token too
-    KVSTORE_STAGING_BYTES=256MiB          shared-memory staging for same-host puts; 0 disables it,
-                                          else at least 4096 (one page)
+    KVSTORE_STAGING_BYTES=auto            shared-memory staging for same-host puts; 0 disables it,
+                                          else at least 4096 (one page); auto: 256MiB, at most half
+                                          the room the host tier left in the shared-memory directory
     KVSTORE_DURABLE_PUTS=0                answer a put only once it is fsynced to the disk tier
     KVSTORE_SHUTDOWN_GRACE_S=10           how long in-flight calls may finish after SIGTERM
     KVSTORE_DATA_PLANE_PROBE_S=10         seconds between probes of the data plane's listener, which is
@@ -38,7 +39,7 @@ from typing import Mapping
 from kvstore.config import ENV_PREFIX, parse_bool, parse_seconds, parse_size, read_as, read_setting
 from kvstore.errors import InvalidRequest
 from kvstore.service.limits import ServiceLimits
-from kvstore.service.staging import DEFAULT_STAGING_BYTES, MIN_STAGING_BYTES
+from kvstore.service.staging import MIN_STAGING_BYTES, STAGING_AUTO
 
 DEFAULT_ADDRESS = "127.0.0.1:50551"
 DEFAULT_HTTP_ADDRESS = "127.0.0.1:50552"
@@ -48,9 +49,14 @@ DATA_AUTO = "auto"
 
 MAX_PORT = 65535
 
+def staging_size(text: str) -> int | str:
+    """A staging capacity: a size in bytes, or "auto"."""
+    return STAGING_AUTO if text.strip().lower() == STAGING_AUTO else parse_size(text)
+
+
 _STRINGS = ("token", "token_file", "tls_cert", "tls_key")
 _PARSED = {"allow_plaintext": parse_bool, "protect_metrics": parse_bool, "durable_puts": parse_bool,
-           "check_integrity_on_exit": parse_bool, "staging_bytes": parse_size, "shutdown_grace_s": parse_seconds,
+           "check_integrity_on_exit": parse_bool, "staging_bytes": staging_size, "shutdown_grace_s": parse_seconds,
            "data_plane_probe_s": parse_seconds}
 # What each address may be: its forms (for messages), its words, and whether unix:PATH is one.
 _ADDRESS_FORMS = {"address": ("HOST:PORT or unix:PATH", (), True),
@@ -69,7 +75,7 @@ class ServeConfig:
     tls_key: str | None = None
     allow_plaintext: bool = False
     protect_metrics: bool = False
-    staging_bytes: int = DEFAULT_STAGING_BYTES
+    staging_bytes: int | str = STAGING_AUTO  # bytes, or "auto" (kvstore.service.staging.open_staging)
     durable_puts: bool = False
     shutdown_grace_s: float = 10.0
     data_plane_probe_s: float = 10.0  # 0: no DataPlaneWatchdog
@@ -79,7 +85,7 @@ class ServeConfig:
     def __post_init__(self) -> None:
         for name in _ADDRESS_FORMS:
             read_as(name, getattr(self, name), partial(check_address, name))
-        if self.staging_bytes < 0 or 0 < self.staging_bytes < MIN_STAGING_BYTES:
+        if self.staging_bytes != STAGING_AUTO and (self.staging_bytes < 0 or 0 < self.staging_bytes < MIN_STAGING_BYTES):
             raise InvalidRequest(f"staging capacity must be 0 (staging off) or at least {MIN_STAGING_BYTES} bytes "
                                  f"(one page), got {self.staging_bytes}; --staging-capacity or KVSTORE_STAGING_BYTES")
         if not (math.isfinite(self.shutdown_grace_s) and self.shutdown_grace_s >= 0):

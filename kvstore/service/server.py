@@ -46,7 +46,7 @@ from kvstore.service.limits import ServiceLimits
 from kvstore.service.metrics import ServiceMetrics
 from kvstore.service.servicer import SERVICE_NAME, KVStoreServicer, add_to_server
 from kvstore.service.shm import host_tier
-from kvstore.service.staging import StagingArea
+from kvstore.service.staging import StagingArea, open_staging
 from kvstore.store import TieredStore
 from kvstore.tiers.shm_segment import remove_stale_segments
 
@@ -209,7 +209,7 @@ async def serve(config: ServeConfig, store_config: StoreConfig, ready: Callable[
     store = await asyncio.to_thread(store_config.open_store)  # a large host tier takes seconds to prefault
     staging = http = sampler = data_plane = watchdog = None
     try:
-        staging = StagingArea(config.staging_bytes, shm_dir) if config.staging_bytes else None
+        staging = open_staging(config.staging_bytes, shm_dir)
         data_plane = start_data_plane(data_address, store, config.limits, token, tls)
         if data_plane is not None and config.data_plane_probe_s > 0:
             watchdog = DataPlaneWatchdog(data_plane, tls is not None, interval_s=config.data_plane_probe_s)

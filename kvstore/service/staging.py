@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import logging
 import secrets
+import shutil
 import threading
 import time
 from dataclasses import dataclass
@@ -37,15 +38,36 @@ from kvstore.buffers import aligned_empty
 from kvstore.checksum import layer_checksums
 from kvstore.errors import InvalidRequest, StoreClosed, UnknownLease
 from kvstore.service.limits import LimitExceeded
-from kvstore.tiers.shm_segment import Segment
+from kvstore.tiers.shm_segment import Segment, default_shm_dir
 from kvstore.tiers.slab import SlabAllocator, unused_capacity
 
 log = logging.getLogger(__name__)
 
 DEFAULT_STAGING_BYTES = 256 << 20
+STAGING_AUTO = "auto"  # DEFAULT_STAGING_BYTES, within half the room left in the shared-memory directory
 MIN_STAGING_BYTES = 4096  # one slot of the smallest size: the slab's alignment
 DEFAULT_RESERVATION_TTL_S = 30.0
 MAX_RESERVATION_TTL_S = 600.0  # a reservation covers one copy into its slots, not storage
+
+
+def open_staging(capacity: int | str, shm_dir: str | None = None) -> StagingArea | None:
+    """The sidecar's staging area: ``capacity`` bytes (0: none), or ``"auto"``: DEFAULT_STAGING_BYTES,
+    at most half the room left in ``shm_dir`` (call it once the host tier has its segment; a
+    container's /dev/shm is often 64 MiB), in whole 4 KiB; none where that is not one page (logged:
+    clients then put through Put). A given capacity that does not fit raises ``NoSpaceForSegment``."""
+    if capacity != STAGING_AUTO:
+        return StagingArea(capacity, shm_dir) if capacity else None
+    directory = shm_dir or default_shm_dir()
+    room = shutil.disk_usage(directory).free
+    auto = min(DEFAULT_STAGING_BYTES, room // 2) // MIN_STAGING_BYTES * MIN_STAGING_BYTES
+    if auto < MIN_STAGING_BYTES:
+        log.warning("no staging area for same-host puts: %s has %d bytes free (clients put through Put); "
+                    "free room there or point KVSTORE_SHM_DIR at a larger tmpfs", directory, room)
+        return None
+    if auto < DEFAULT_STAGING_BYTES:
+        log.info("staging area of %d bytes, half the %d bytes free in %s (set --staging-capacity or "
+                 "KVSTORE_STAGING_BYTES to choose)", auto, room, directory)
+    return StagingArea(auto, shm_dir)
 
 
 class StagingFull(LimitExceeded):

@@ -103,12 +103,14 @@ def docker_bytes(text: str) -> int:
 
 
 def shm_segment_bytes(env: dict[str, str]) -> int:
-    """Bytes the sidecar maps in /dev/shm with this environment: the host tier and the put staging area."""
+    """Bytes the sidecar maps in /dev/shm with this environment: the host tier and the put staging
+    area (auto: at most its default)."""
     from kvstore.config import parse_size
-    from kvstore.service.staging import DEFAULT_STAGING_BYTES
+    from kvstore.service.staging import DEFAULT_STAGING_BYTES, STAGING_AUTO
 
-    staging = env.get("KVSTORE_STAGING_BYTES", str(DEFAULT_STAGING_BYTES))
-    return parse_size(env["KVSTORE_HOST_CAPACITY"]) + parse_size(staging)
+    staging = env.get("KVSTORE_STAGING_BYTES", STAGING_AUTO)
+    staging_bytes = DEFAULT_STAGING_BYTES if staging == STAGING_AUTO else parse_size(staging)
+    return parse_size(env["KVSTORE_HOST_CAPACITY"]) + staging_bytes
 
 
 def port_of(address: str) -> int:

@@ -27,6 +27,15 @@ def test_no_staging_or_at_least_a_page_is_accepted(staging_bytes):
     assert ServeConfig(staging_bytes=staging_bytes).staging_bytes == staging_bytes
 
 
+def test_staging_is_auto_unless_set_and_a_flag_of_auto_overrides_the_environment():
+    assert ServeConfig.from_env({}).staging_bytes == "auto"
+    assert ServeConfig.from_env({"KVSTORE_STAGING_BYTES": "64MiB"}).staging_bytes == 64 << 20
+    assert ServeConfig.from_env({"KVSTORE_STAGING_BYTES": "Auto"}).staging_bytes == "auto"
+    assert ServeConfig.from_env({"KVSTORE_STAGING_BYTES": "64MiB"}, staging_bytes="auto").staging_bytes == "auto"
+    with pytest.raises(InvalidRequest, match="KVSTORE_STAGING_BYTES"):
+        ServeConfig.from_env({"KVSTORE_STAGING_BYTES": "automatic"})
+
+
 @pytest.mark.parametrize("key, value, reading", [
     ("KVSTORE_STREAM_IDLE_TIMEOUT_S", "30s", "as seconds"),
     ("KVSTORE_SHUTDOWN_GRACE_S", "10s", "as seconds"),

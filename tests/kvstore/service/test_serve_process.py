@@ -194,6 +194,29 @@ def test_serve_whose_shm_dir_cannot_hold_the_staging_area_exits_naming_it_and_le
     assert left == []
 
 
+def test_serve_with_its_defaults_starts_in_a_64_mib_dev_shm_and_takes_same_host_puts(tmp_path, namespace, spec,
+                                                                                    chain):
+    """A container's default /dev/shm: the host tier takes half of it and the staging area half of
+    the rest (before, the default 256 MiB staging area could not be reserved and the start failed)."""
+    with mounted_tmpfs(str(tmp_path / "shm"), 64 << 20) as shm:
+        process, address, _ = start_serving("--address", "127.0.0.1:0", "--http-address", "off", "--data-dir",
+                                            str(tmp_path / "data"), env={"KVSTORE_SHM_DIR": shm,
+                                                                        "KVSTORE_DISK_CAPACITY": "64MiB"})
+        try:
+            segments = {name: os.path.getsize(os.path.join(shm, name)) for name in os.listdir(shm)}
+            staging = [size for name, size in segments.items() if name.startswith("kvstore-staging-")]
+            assert sorted(segments.values()) == [16 << 20, 32 << 20] and staging == [16 << 20], segments
+            payloads = payloads_for(spec, chain[:3])
+            with KVStoreClient(address, timeout_s=30) as client:
+                ns_id = client.register_namespace(namespace)
+                assert client.put_shm(ns_id, chain[:3], payloads).stored == 3
+                assert client.stats().tier("host").blocks == 3
+        finally:
+            process.terminate()
+            process.communicate(timeout=30)
+    assert process.returncode == 0
+
+
 def test_an_integrity_failure_at_shutdown_is_named(make_store, monkeypatch):
     from kvstore.service.server import IntegrityCheckFailed, _check_integrity
 

@@ -17,11 +17,13 @@ from kvstore.keys import namespace_hashes
 from kvstore.results import PutResult
 from kvstore.service.client import KVStoreClient
 from kvstore.service.limits import ServiceLimits
-from kvstore.service.staging import StagingArea, StagingFull
+from kvstore.service.staging import DEFAULT_STAGING_BYTES, STAGING_AUTO, StagingArea, StagingFull, open_staging
+from kvstore.tiers.shm_segment import NoSpaceForSegment
 from kvstore.service.v1 import kvstore_pb2 as pb
 from kvstore.service.v1.kvstore_pb2_grpc import KVStoreStub
 from tests.conftest import payloads_for
 from tests.kvstore.store_helpers import hold_store_lock, until
+from tests.kvstore.tiers.tmpfs import mounted_tmpfs
 from tests.kvstore.service.test_service import rpc_error
 
 Code = grpc.StatusCode
@@ -324,6 +326,25 @@ def test_a_commit_refused_a_transfer_slot_ends_its_reservation(store, start_serv
         assert first.result().stored == 1
         again = rpc_error(stub.CommitSlots, commits[1], metadata=as_client("tenant-1"), timeout=10)
         assert again.code() == Code.NOT_FOUND and "reserve again" in again.details()
+
+
+def test_auto_staging_takes_half_the_room_left_at_most_its_default_and_none_without_a_page(tmp_path, caplog):
+    with mounted_tmpfs(str(tmp_path / "shm"), 8 << 20) as shm:
+        area = open_staging(STAGING_AUTO, shm)
+        assert area.capacity_bytes == 4 << 20, "half of the 8 MiB free"
+        filler = os.path.join(shm, "filler")
+        with open(filler, "wb") as f:
+            f.write(b"\0" * ((4 << 20) - 4096))  # one page left
+        with caplog.at_level("WARNING", logger="kvstore.service.staging"):
+            assert open_staging(STAGING_AUTO, shm) is None
+        assert "no staging area for same-host puts" in caplog.text and "Put" in caplog.text
+        with pytest.raises(NoSpaceForSegment, match="--staging-capacity"):  # a size given is a size kept
+            open_staging(1 << 20, shm)
+        area.close()
+    assert open_staging(0, str(tmp_path)) is None
+    big = open_staging(STAGING_AUTO, str(tmp_path))  # an ordinary file system: the default
+    assert big.capacity_bytes == DEFAULT_STAGING_BYTES
+    big.close()
 
 
 def test_spare_copies_stay_within_the_area_and_keep_the_sizes_recycled_last(tmp_path):
