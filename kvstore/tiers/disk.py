@@ -89,7 +89,8 @@ class DiskTier(DiskRecovery, DiskReclaim, Tier):
         direct_io: bool = True,
     ):
         if capacity_bytes < HEADER_BYTES * 2:
-            raise InvalidRequest(f"disk tier capacity must be at least {HEADER_BYTES * 2} bytes")
+            raise InvalidRequest(f"disk tier capacity must be at least {HEADER_BYTES * 2} bytes (0 disables the tier), "
+                                 f"got {capacity_bytes}; --disk-capacity or KVSTORE_DISK_CAPACITY")
         self.path = os.path.abspath(path)
         self.capacity_bytes = capacity_bytes
         self.segment_bytes = segment_bytes

@@ -235,7 +235,8 @@ def _slab_for(capacity_bytes: int, page_bytes: int) -> SlabAllocator:
         raise InvalidRequest(f"host tier page size must be at least {PAGE_ALIGN} bytes (KVSTORE_HOST_PAGE_BYTES), "
                              f"got {page_bytes}")
     if capacity_bytes < PAGE_ALIGN:
-        raise InvalidRequest(f"host tier capacity must be at least {PAGE_ALIGN} bytes, got {capacity_bytes}")
+        raise InvalidRequest(f"host tier capacity must be at least {PAGE_ALIGN} bytes (0 disables the tier), got "
+                             f"{capacity_bytes}; --host-capacity or KVSTORE_HOST_CAPACITY")
     slab = SlabAllocator(capacity_bytes, min(page_bytes, capacity_bytes) // PAGE_ALIGN * PAGE_ALIGN)
     if note := unused_capacity("host tier", capacity_bytes, slab, "KVSTORE_HOST_PAGE_BYTES"):
         log.log(*note)

@@ -108,6 +108,21 @@ def test_serve_refuses_a_bad_address_with_a_message(tmp_path):
         assert done.returncode == 2 and message in done.stderr, done.stderr
 
 
+@pytest.mark.parametrize("flags, env, message", [
+    (("--host-capacity", "100"), {}, "host tier capacity must be at least 4096 bytes (0 disables the tier), got 100; "
+                                     "--host-capacity or KVSTORE_HOST_CAPACITY"),
+    ((), {"KVSTORE_HOST_CAPACITY": "5"}, "got 5; --host-capacity or KVSTORE_HOST_CAPACITY"),
+    (("--host-capacity", "1MiB", "--disk-capacity", "100"), {},
+     "disk tier capacity must be at least 8192 bytes (0 disables the tier), got 100; --disk-capacity or "
+     "KVSTORE_DISK_CAPACITY"),
+])
+def test_a_tier_capacity_too_small_is_refused_naming_its_flag_and_variable(tmp_path, flags, env, message):
+    done = subprocess.run([sys.executable, "-m", "kvstore.service", "--http-address", "off", "--data-dir",
+                           str(tmp_path), *flags], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": REPO, "KVSTORE_SHM_DIR": str(tmp_path), **env})
+    assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
 def test_protect_metrics_without_a_token_is_refused_at_start(tmp_path):
     """Before, the sidecar started and /metrics answered anyone: nothing to ask for."""
     done = subprocess.run([sys.executable, "-m", "kvstore.service", "--protect-metrics", "--address", "127.0.0.1:0",
