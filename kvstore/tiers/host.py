@@ -20,7 +20,7 @@ import numpy as np
 from kvstore.errors import InvalidRequest, StoreClosed
 from kvstore.tiers.base import BlockMeta, Tier, TierStats
 from kvstore.tiers.shm_segment import Segment
-from kvstore.tiers.slab import SlabAllocator, unused_capacity
+from kvstore.tiers.slab import SlabAllocator, page_waste, unused_capacity
 
 DEFAULT_PAGE_BYTES = 64 << 20
 PAGE_ALIGN = 4096  # slots and pages start on 4 KiB boundaries
@@ -55,6 +55,7 @@ class HostTier(Tier):
         self._on_page: dict[int, set[bytes]] = {}  # page -> its keys in _index
         self._reserved: dict[bytes, int] = {}  # key -> slot set aside for its write (``reserve``)
         self._copying: dict[bytes, int] = {}  # key -> slot its write is copying into (not yet readable)
+        self._slot_sizes: set[int] = set()  # slot sizes allocated so far (each checked for waste once)
         self._lock = threading.Lock()
         self._bytes_read = 0
         self._bytes_written = 0
@@ -126,7 +127,7 @@ class HostTier(Tier):
             assert key not in self._index and key not in self._copying, "duplicate host write (store bug)"
             offset = self._reserved.pop(key, None)  # the slot reserved for it, else a free one now
             if offset is None:
-                offset = self._slab.allocate(meta.nbytes)
+                offset = self._allocate(meta.nbytes)
                 if offset is None:
                     return False
             assert self._slab.slot_class(offset) == self._slab.slot_bytes(meta.nbytes), "reserved for another size (bug)"
@@ -152,11 +153,22 @@ class HostTier(Tier):
         with self._lock:
             assert key not in self._index and key not in self._reserved and key not in self._copying, \
                 "duplicate host reservation (store bug)"
-            offset = self._slab.allocate(nbytes)
+            offset = self._allocate(nbytes)
             if offset is None:
                 return False
             self._reserved[key] = offset
             return True
+
+    def _allocate(self, nbytes: int) -> int | None:
+        """A free slot for ``nbytes``, or None; the first of a size warns where that size leaves
+        much of each page unused. Caller holds the lock."""
+        slot = self._slab.slot_bytes(nbytes)
+        if slot not in self._slot_sizes:
+            self._slot_sizes.add(slot)
+            knob = "KVSTORE_HOST_CAPACITY (one page)" if self._page_is_capacity else "KVSTORE_HOST_PAGE_BYTES"
+            if warning := page_waste("host tier", self._slab, nbytes, knob):
+                log.warning(warning)
+        return self._slab.allocate(nbytes)
 
     def unreserve(self, key: bytes) -> None:
         with self._lock:

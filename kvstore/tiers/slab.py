@@ -14,6 +14,7 @@ import logging
 from dataclasses import dataclass, field
 
 UNUSED_WARNING_FRACTION = 0.01  # less unused than this (an automatic capacity, say) is only INFO
+PAGE_WASTE_WARNING_FRACTION = 0.10  # a block size that leaves more of each of its pages unused is warned of
 
 
 @dataclass
@@ -131,3 +132,18 @@ def unused_capacity(what: str, asked_bytes: int, slab: SlabAllocator, page_knob:
     return level, (f"{what} capacity {asked_bytes} bytes is not a whole number of its {slab.page_bytes}-byte pages: "
                    f"using {used} bytes, {unused} unused; {used} or {used + slab.page_bytes} would be used whole"
                    + (f" (or a {page_knob} that divides it)" if page_knob else ""))
+
+
+def page_waste(what: str, slab: SlabAllocator, nbytes: int, page_knob: str) -> str | None:
+    """A warning that blocks of ``nbytes`` leave more than PAGE_WASTE_WARNING_FRACTION of each page
+    they take unused (a 34 MiB block on a 64 MiB page: 47%), naming the ``page_knob`` value that
+    would leave none; None when they fit well (or not at all: that is refused elsewhere)."""
+    slot = slab.slot_bytes(nbytes)
+    per_page = slab.page_bytes // slot
+    unused = slab.page_bytes - per_page * slot
+    if not per_page or unused <= slab.page_bytes * PAGE_WASTE_WARNING_FRACTION:
+        return None
+    whole = slot * -(-slab.page_bytes // slot)
+    return (f"{what}: blocks of {nbytes} bytes ({slot}-byte slots) fit {per_page} to a {slab.page_bytes}-byte page, "
+            f"leaving {unused} bytes ({unused / slab.page_bytes:.0%}) of every page they take unused; "
+            f"a {page_knob} of {whole} would hold {whole // slot} with none unused")

@@ -109,6 +109,25 @@ def test_a_capacity_not_a_whole_number_of_pages_says_what_it_uses(tiers, caplog)
     assert caplog.records == []
 
 
+def test_a_block_size_that_leaves_much_of_its_pages_unused_is_warned_of_once_with_a_page_size_that_would_not(
+        tiers, caplog):
+    """A 34 KiB block on a 64 KiB page took a page each and left 30 KiB (47%) of it unused without a word."""
+    caplog.set_level(logging.WARNING, logger="kvstore.tiers.host")
+    tier = tiers(256 << 10, page_bytes=64 << 10)
+    for i in range(3):
+        tier.write(key_of(i), *block(i, 34 << 10, 2))
+    assert tier.reserve(key_of(3), 34 << 10)
+    assert [r.getMessage() for r in caplog.records] == [
+        "host tier: blocks of 34816 bytes (36864-byte slots) fit 1 to a 65536-byte page, leaving 28672 bytes (44%) "
+        "of every page they take unused; a KVSTORE_HOST_PAGE_BYTES of 73728 would hold 2 with none unused"]
+    caplog.clear()
+    for i, nbytes in ((10, 16 << 10), (11, 20 << 10)):  # 4 to a page: none unused; 3 to a page: 4 KiB, 6%
+        tier.unreserve(key_of(3))
+        tier.remove(key_of(i - 10))
+        tier.write(key_of(i), *block(i, nbytes, 2))
+    assert caplog.records == [], "sizes that fit their pages well say nothing"
+
+
 def test_write_read_whole_block_and_single_layers(tiers):
     tier = tiers(1 << 20)
     num_layers, nbytes = 6, 6 * 1500
