@@ -91,6 +91,20 @@ def _source_tensor(source: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(source)
 
 
+def queued_engine_work(pool: PageBytes, pages: Sequence[int]) -> Callable[[], None] | None:
+    """Called on the engine's thread as a load starts: a wait for the work the engine has queued so
+    far on its current CUDA stream of the pages' device (kernels that may still read the pages for
+    the blocks they held before), for the load's thread to run before its first write into them.
+    The load's thread has a current stream of its own, so ordering after that one would not do.
+    None for pages in host memory. Untested on a GPU: no GPU was lent to the session that wrote it."""
+    device = pool.layer_page_bytes(0, pages[0]).device if pages else None
+    if device is None or device.type != "cuda":
+        return None
+    queued = torch.cuda.Event()
+    queued.record(torch.cuda.current_stream(device))
+    return queued.synchronize
+
+
 class LoadAbandoned(LoadFailed):
     """The engine stopped waiting for a load (past its deadline): nothing more lands in its pages."""
 
@@ -136,7 +150,8 @@ class BackgroundLoad(LoadHandle):
     the fence once layers ``[0, n)`` of every block are in place (calls must not decrease); it
     returns normally when the whole load is in place. Any exception from ``body`` fails the load
     (``wait_layer`` raises ``LoadFailed`` for the layers not yet done), never the engine.
-    ``finish`` runs last, whatever happened (it ends the lease).
+    ``finish`` runs last, whatever happened (it ends the lease). ``before``, if given, runs on the
+    load's thread first (``queued_engine_work``: the engine's work on the pages has finished).
 
     A load not done ``deadline_s`` after it started (a disk read that hangs, a store lock that
     stays held) is abandoned by the first wait that runs out: its fence closes, so whatever it still
@@ -149,8 +164,10 @@ class BackgroundLoad(LoadHandle):
     def __init__(self, name: str, blocks: int, num_layers: int,
                  body: Callable[[Callable[[int], None], PageFence], None],
                  finish: Callable[[], None] = lambda: None, logger: logging.Logger = log,
-                 deadline_s: float | None = None, on_abandon: Callable[[bool], None] = lambda cancelled: None):
+                 deadline_s: float | None = None, on_abandon: Callable[[bool], None] = lambda cancelled: None,
+                 before: Callable[[], None] | None = None):
         self._log = logger
+        self._before = before
         self._name, self._blocks, self._num_layers = name, blocks, num_layers
         self._body, self._finish, self._on_abandon = body, finish, on_abandon
         self._deadline_s = check_load_timeout(deadline_s)
@@ -173,6 +190,8 @@ class BackgroundLoad(LoadHandle):
 
     def _run(self) -> None:
         try:
+            if self._before is not None:
+                self._before()
             self._body(self._layer_done, self._fence)
             self._layer_done(self._num_layers)
         except Exception as exc:  # a failed load is a recompute, never a crash of the engine

@@ -49,7 +49,7 @@ import numpy as np
 
 from connectors._pages import (DEFAULT_LOAD_TIMEOUT_S, DEFAULT_LOOKUP_TIMEOUT_S, DEFAULT_MAX_PENDING_SAVE_BYTES,
                               BackgroundLoad, PageFence, SaveWriter, check_lease_ttl, check_load_timeout,
-                              gather_blocks, load_targets, scatter_layer)
+                              gather_blocks, load_targets, queued_engine_work, scatter_layer)
 from connectors.base import ConnectorHit, KVConnector, LoadFailed, LoadHandle, PageBytes
 from connectors.lower_tiers import LowerTiers
 from connectors.sidecar_session import NOT_ANSWERING, SidecarNotAnswering, SidecarSession, describe
@@ -147,6 +147,7 @@ class SidecarConnector(KVConnector):
         hashes, pages = load_targets(hit, block_hashes, pages)
         with self._lock:
             lease_id = self._leases.pop(hit.request_id, None)
+        engine_work = queued_engine_work(pool, pages)  # on the engine's thread: its stream's work so far
         reading_below = threading.Event()  # set while the load reads blocks below memory
         abandoned = threading.Event()  # the engine gave up on the load
 
@@ -181,7 +182,7 @@ class SidecarConnector(KVConnector):
                 self._lower_tiers.hung()
 
         return BackgroundLoad(hit.request_id, len(hashes), self.spec.num_layers, fetch_and_copy, finish, logger=log,
-                              deadline_s=self.load_timeout_s, on_abandon=given_up)
+                              deadline_s=self.load_timeout_s, on_abandon=given_up, before=engine_work)
 
     def _stream_into(self, pool: PageBytes, pages: list[int], grant, fence: PageFence) -> int:
         """The grant's slots through the sidecar's data plane, ``max_transfer_blocks`` at a time;

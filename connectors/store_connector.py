@@ -31,7 +31,7 @@ import torch
 from connectors.backoff import Backoff
 from connectors._pages import (DEFAULT_LOAD_TIMEOUT_S, DEFAULT_LOOKUP_TIMEOUT_S, DEFAULT_MAX_PENDING_SAVE_BYTES,
                               BackgroundLoad, SaveWriter, check_lease_ttl, check_load_timeout, gather_blocks,
-                              load_targets, scatter_layer)
+                              load_targets, queued_engine_work, scatter_layer)
 from connectors.base import ConnectorHit, KVConnector, LoadFailed, LoadHandle, PageBytes
 from connectors.lower_tiers import LowerTiers
 from kvstore.errors import KVStoreError, StoreClosed, UnknownLease
@@ -130,6 +130,7 @@ class StoreConnector(KVConnector):
         with self._lock:
             lease_id = self._leases.pop(hit.request_id, None)
 
+        engine_work = queued_engine_work(pool, pages)  # on the engine's thread: its stream's work so far
         reading_below = threading.Event()  # set while the load reads blocks below memory
         abandoned = threading.Event()  # the engine gave up on the load
 
@@ -165,7 +166,7 @@ class StoreConnector(KVConnector):
 
         return BackgroundLoad(hit.request_id, len(hashes), self.spec.num_layers, copy_layer_major,
                               lambda: self._end_lease(hit.request_id, lease_id), logger=log,
-                              deadline_s=self.load_timeout_s, on_abandon=given_up)
+                              deadline_s=self.load_timeout_s, on_abandon=given_up, before=engine_work)
 
     def _read_below(self, hashes: list[bytes], reading: threading.Event,
                     abandoned: threading.Event) -> list[np.ndarray]:
@@ -238,13 +239,13 @@ def _lease_not_ended(lease_id: int, exc: Exception) -> None:
 class _DeviceStaging:
     """Pinned host rows [blocks, layer_bytes], one per block, and a copy stream on the pool's
     device. A layer's copies are queued on that stream without blocking; ``synchronize`` waits
-    for exactly them (not the engine's kernels, not another device's work). Untested on a GPU in
+    for exactly them (not the engine's kernels, not another device's work). The load's thread has
+    waited for the engine's work on the pages first (``queued_engine_work``). Untested on a GPU in
     this form: no GPU was lent to the session that wrote it."""
 
     def __init__(self, blocks: int, layer_bytes: int, device: torch.device):
         self.rows = torch.empty((blocks, layer_bytes), dtype=torch.uint8).pin_memory()
         self.stream = torch.cuda.Stream(device=device)
-        self.stream.wait_stream(torch.cuda.current_stream(device))  # after work already queued on the pages
 
     @classmethod
     def for_pool(cls, pool: PageBytes, pages: Sequence[int], layer_bytes: int) -> "_DeviceStaging | None":

@@ -7,11 +7,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import types
 
 import numpy as np
 import pytest
+import torch
 
-from connectors._pages import BackgroundLoad, LoadAbandoned, PageFence, SaveWriter
+from connectors._pages import BackgroundLoad, LoadAbandoned, PageFence, SaveWriter, queued_engine_work
 from connectors.base import LoadFailed
 from tests.kvstore.store_helpers import until
 
@@ -42,6 +44,53 @@ def test_a_load_in_time_signals_each_layer_and_reports_every_block():
     for layer in range(LAYERS):
         handle.wait_layer(layer)
     assert handle.wait() == 4 and finishes == [1] and [w[0] for w in pages.writes] == [0, 1, 2]
+
+
+def test_the_load_waits_for_the_engines_queued_work_before_its_first_write():
+    queued, order = threading.Event(), []
+
+    def engine_work():  # as a CUDA event's synchronize: returns once the engine's kernels are done
+        assert queued.wait(10)
+        order.append("engine work done")
+
+    def body(layer_done, fence):
+        order.append("first write")
+        layer_done(LAYERS)
+
+    handle = BackgroundLoad("r", 1, LAYERS, body, deadline_s=10, before=engine_work)
+    time.sleep(0.05)
+    assert order == [], "nothing written while the engine's work is queued"
+    queued.set()
+    assert handle.wait() == 1 and order == ["engine work done", "first write"]
+
+
+class FakeCudaPool:
+    """Pages on a CUDA device as far as ``queued_engine_work`` looks (no GPU here)."""
+
+    def layer_page_bytes(self, layer, page):
+        return types.SimpleNamespace(device=torch.device("cuda", 1))
+
+
+def test_queued_engine_work_records_on_the_calling_threads_stream_of_the_pages_device(monkeypatch):
+    recorded = []
+
+    class Event:
+        def record(self, stream):
+            recorded.append(stream)
+
+        def synchronize(self):
+            recorded.append("synchronized")
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: ("stream", device, threading.get_ident()))
+    wait = queued_engine_work(FakeCudaPool(), [7])
+    assert recorded == [("stream", torch.device("cuda", 1), threading.get_ident())], "the engine thread's stream"
+    worker = threading.Thread(target=wait)
+    worker.start()
+    worker.join(10)
+    assert recorded[-1] == "synchronized"
+    cpu = types.SimpleNamespace(layer_page_bytes=lambda layer, page: torch.zeros(4, dtype=torch.uint8))
+    assert queued_engine_work(cpu, [0]) is None and queued_engine_work(FakeCudaPool(), []) is None
 
 
 def test_a_hung_load_is_abandoned_at_its_deadline_and_writes_nothing_after():
