@@ -85,7 +85,8 @@ class ServeConfig:
     def __post_init__(self) -> None:
         for name in _ADDRESS_FORMS:
             read_as(name, getattr(self, name), partial(check_address, name))
-        if self.staging_bytes != STAGING_AUTO and (self.staging_bytes < 0 or 0 < self.staging_bytes < MIN_STAGING_BYTES):
+        staging = self.staging_bytes
+        if staging != STAGING_AUTO and (staging < 0 or 0 < staging < MIN_STAGING_BYTES):
             raise InvalidRequest(f"staging capacity must be 0 (staging off) or at least {MIN_STAGING_BYTES} bytes "
                                  f"(one page), got {self.staging_bytes}; --staging-capacity or KVSTORE_STAGING_BYTES")
         if not (math.isfinite(self.shutdown_grace_s) and self.shutdown_grace_s >= 0):

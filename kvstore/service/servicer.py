@@ -3,9 +3,10 @@
 Store calls run in worker threads (``asyncio.to_thread``; those of more than one store method are
 in ``store_calls``): they copy megabytes and take the store's lock, and the event loop must keep
 serving other calls meanwhile. Get, Put and CommitSlots make theirs on threads of their own
-(``transfer_threads``), so loads from a hung disk cannot take the threads every other call needs. Errors leave through
-``context.abort`` with the status code of their class (``STATUS_CODES``) and the store's own
-message, and are counted in the metrics; anything else is a bug and surfaces as UNKNOWN.
+(``transfer_threads``), so loads from a hung disk cannot take the threads every other call needs.
+Errors leave through ``context.abort`` with the status code of their class (``STATUS_CODES``) and
+the store's own message, and are counted in the metrics; anything else is a bug and surfaces as
+UNKNOWN.
 
 Each call is recorded in ``ServiceMetrics`` (kvstore.service.metrics); the slots a GetSlots call
 grants count as loaded at their Release, as many as the client says it copied
@@ -346,8 +347,8 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
                 staging.drop(request.reservation_id, client)
                 raise
             started = time.perf_counter()
-            reservation, result = await stream.run(store_calls.commit, self._store, staging, request.reservation_id, checksums,
-                                                   client)
+            reservation, result = await stream.run(store_calls.commit, self._store, staging,
+                                                   request.reservation_id, checksums, client)
             nbytes = len(reservation.block_hashes) * reservation.block_bytes
             return await self._put_answer(reservation.ns_id, list(reservation.block_hashes), result, nbytes, started,
                                           stream.run)
