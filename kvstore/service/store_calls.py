@@ -22,7 +22,7 @@ from kvstore.validation import check_chain, check_hashes
 
 
 def load_group(store: TieredStore, ns_id: bytes, block_bytes: int, hashes: list[bytes],
-                lease_id: int | None = None):
+               lease_id: int | None = None):
     """``store.load`` of ``hashes`` into new buffers (ending ``lease_id``, if given); the result and buffers."""
     dsts = [np.empty(block_bytes, np.uint8) for _ in hashes]  # [block_bytes] uint8 each
     return store.load(ns_id, hashes, dsts, lease_id), dsts
@@ -52,7 +52,7 @@ def check_put_chain(hashes, parent: bytes | None) -> None:
 
 
 def commit(store: TieredStore, staging: StagingArea, reservation_id: int, checksums: list[tuple[int, ...]],
-            owner: str) -> tuple[Reservation, PutResult]:
+           owner: str) -> tuple[Reservation, PutResult]:
     """CommitSlots' work, on one transfer thread (a client that goes away cannot part the two):
     ``owner``'s reservation ended into verified copies, those stored, then recycled."""
     reservation, payloads = staging.take(reservation_id, checksums, owner)
@@ -74,7 +74,7 @@ async def undone_if_abandoned(undo, context, call, *args):
     try:
         result = await asyncio.shield(calling)
     except asyncio.CancelledError:
-        calling.add_done_callback(functools.partial(undo_result, undo))
+        calling.add_done_callback(functools.partial(_undo_result, undo))
         raise
     remaining = context.time_remaining()
     if remaining is not None and remaining <= 0:
@@ -83,6 +83,6 @@ async def undone_if_abandoned(undo, context, call, *args):
     return result
 
 
-def undo_result(undo, calling: asyncio.Future) -> None:
+def _undo_result(undo, calling: asyncio.Future) -> None:
     if not calling.cancelled() and calling.exception() is None:
         calling.get_loop().run_in_executor(None, undo, calling.result())
