@@ -1,5 +1,6 @@
 """What every connector does alike: page bytes in and out of block payloads, the layer-readiness
-handle of a background load, and the background writer of saves.
+handle of a background load, and the background writer of saves (``connectors._copy_out``
+copies a save out of the pages).
 
 A block payload is layer-major (``BlockSpec.layer_range(l)`` is layer ``l``'s byte range); a page
 of the engine's pool holds one layer of one block (``PageBytes.layer_page_bytes``).
@@ -18,7 +19,6 @@ import numpy as np
 import torch
 
 from connectors.base import LoadFailed, LoadHandle, PageBytes
-from kvstore.buffers import aligned_empty
 from kvstore.layout import BlockSpec
 from kvstore.store import MAX_LEASE_TTL_S
 
@@ -57,19 +57,6 @@ def load_targets(hit, block_hashes: Sequence[bytes], pages: Sequence[int]) -> tu
     if len(pages) < hit.blocks or len(block_hashes) < hit.blocks:
         raise ValueError(f"{hit.blocks} blocks to load but {len(pages)} pages and {len(block_hashes)} hashes")
     return list(block_hashes[: hit.blocks]), list(pages[: hit.blocks])
-
-
-def gather_block(spec: BlockSpec, pool: PageBytes, page: int) -> np.ndarray:
-    """A fresh [block_bytes] uint8 payload with every layer of ``page``, laid out as the store lays it out."""
-    payload = aligned_empty(spec.block_bytes)  # page-aligned: the disk tier writes it with no copy
-    for layer in range(spec.num_layers):
-        offset, size = spec.layer_range(layer)
-        payload[offset : offset + size] = host_view(pool.layer_page_bytes(layer, page))
-    return payload
-
-
-def gather_blocks(spec: BlockSpec, pool: PageBytes, pages: Sequence[int]) -> list[np.ndarray]:
-    return [gather_block(spec, pool, page) for page in pages]
 
 
 def scatter_layer(spec: BlockSpec, pool: PageBytes, layer: int, page: int, payload: np.ndarray) -> None:
@@ -260,7 +247,8 @@ class BackgroundLoad(LoadHandle):
 
 
 class SaveWriter:
-    """One background thread that hands queued saves to ``write(hashes, payloads, parent)``.
+    """One background thread that hands queued saves to ``write(hashes, payloads, parent)``, each
+    once its ``ready()`` has returned (``CopiedOut.wait``: an asynchronous copy out of device pages).
 
     A save that fails is dropped (its blocks stay uncached) and counted in ``failed_saves``; the
     first failure of a run of them is logged with its traceback, the rest at debug level, and the
@@ -293,7 +281,8 @@ class SaveWriter:
         self._thread = threading.Thread(target=self._run, name="kv-save", daemon=True)
         self._thread.start()
 
-    def put(self, hashes: Sequence[bytes], payloads: list[np.ndarray], parent: bytes | None) -> None:
+    def put(self, hashes: Sequence[bytes], payloads: list[np.ndarray], parent: bytes | None,
+            ready: Callable[[], None] | None = None) -> None:
         nbytes = sum(payload.nbytes for payload in payloads)
         with self._pending_lock:
             if self._closed:
@@ -314,7 +303,7 @@ class SaveWriter:
                 self._log.info("the store caught up with saves; %d blocks were dropped meanwhile", self.dropped_blocks)
                 self._dropping = False
             self._pending_bytes += nbytes
-            self._queue.put((list(hashes), payloads, parent, nbytes))  # under the lock: before close's end mark
+            self._queue.put((list(hashes), payloads, parent, nbytes, ready))  # under the lock: before close's end mark
 
     def flush(self) -> None:
         self._queue.join()
@@ -334,8 +323,10 @@ class SaveWriter:
             try:
                 if item is None:
                     return
-                hashes, payloads, parent, nbytes = item
+                hashes, payloads, parent, nbytes, ready = item
                 try:
+                    if ready is not None:  # a failed copy fails the save: nothing half-copied is stored
+                        ready()
                     self._write(hashes, payloads, parent)
                 finally:
                     with self._pending_lock:

@@ -22,7 +22,7 @@ How each side maps onto the sidecar's calls (``KVStoreClient``), fast path chose
   layer 0 of the suffix computes while later layers copy, as with ``StoreConnector``). Every other
   layer waits for the slots' lease to be released *successfully* (it was alive through every copy);
   if it expired meanwhile the load fails and the engine recomputes.
-- ``save``: gathers the pages into payloads before returning (like ``StoreConnector``), then a
+- ``save``: copies the pages out into payloads (``connectors._copy_out``, like ``StoreConnector``), then a
   background writer hands them over with ``put_shm`` (staging slots in shared memory, verified by
   the sidecar at commit; ``Put`` where that cannot be used), at most ``max_transfer_blocks`` (and ``max_transfer_bytes``) a call.
 - ``report_prefill``: one ``ReportPrefill`` on a background thread, for the sidecar's metrics.
@@ -49,7 +49,8 @@ import numpy as np
 
 from connectors._pages import (DEFAULT_LOAD_TIMEOUT_S, DEFAULT_LOOKUP_TIMEOUT_S, DEFAULT_MAX_PENDING_SAVE_BYTES,
                               BackgroundLoad, PageFence, SaveWriter, check_lease_ttl, check_load_timeout,
-                              gather_blocks, load_targets, queued_engine_work, scatter_layer)
+                              load_targets, queued_engine_work, scatter_layer)
+from connectors._copy_out import copy_out
 from connectors.base import ConnectorHit, KVConnector, LoadFailed, LoadHandle, PageBytes
 from connectors.lower_tiers import LowerTiers
 from connectors.sidecar_session import NOT_ANSWERING, SidecarNotAnswering, SidecarSession, describe
@@ -264,7 +265,8 @@ class SidecarConnector(KVConnector):
              parent: bytes | None) -> None:
         if not block_hashes or self.read_only:
             return
-        self._saves.put(block_hashes, gather_blocks(self.spec, pool, pages[: len(block_hashes)]), parent)
+        copied = copy_out(self.spec, pool, pages[: len(block_hashes)])  # the pages are free for reuse now
+        self._saves.put(block_hashes, copied.payloads, parent, ready=copied.wait)
 
     def release(self, request_id: str) -> None:
         with self._lock:
@@ -275,7 +277,8 @@ class SidecarConnector(KVConnector):
         self._saves.flush()
 
     def wait_copied(self) -> None:
-        """Nothing to wait for: ``save`` gathers the pages into its own buffers before returning."""
+        """Nothing to wait for: ``save`` has copied the pages out, or queued that copy ahead of any
+        later use of them (``connectors._copy_out``), before it returned."""
 
     def close(self) -> None:
         self._saves.close()

@@ -2,13 +2,13 @@
 
 Loads run on a background thread, layer-major: layer 0 of every hit block, then layer 1, ... so
 the engine's forward pass can start layer 0 of the suffix while later layers are still arriving
-(``LoadHandle.wait_layer``). Saves gather each block's layers out of the engine's pages into one
-payload before ``save`` returns (the engine may reuse its pages at once), then a background
-writer puts them into the store: nothing of a save runs on the engine's critical path beyond
-that copy.
+(``LoadHandle.wait_layer``). A save copies each block's layers out of the engine's pages into
+one payload (``connectors._copy_out``: at once from host pages; from CUDA pages by a gather
+queued on the engine's stream and an asynchronous copy to pinned memory, untested on a GPU),
+so the engine may reuse its pages as soon as ``save`` returns; a background writer then puts
+them into the store. Nothing of a save runs on the engine's critical path beyond that copy.
 
-Device pages are read and written through ``PageBytes.layer_page_bytes`` (CPU tensors here; a
-CUDA pool stages through pinned host memory: untested on a GPU in this form). Only memory
+Device pages are read and written through ``PageBytes.layer_page_bytes``. Only memory
 copies write the engine's pages: out of the host tier's shared memory (zero-copy views the
 lookup's lease pins, ``TieredStore.leased_views``), or out of the load's own buffers for disk
 blocks. So a load whose read hangs (a stuck disk, the store's lock held) is abandoned after
@@ -30,8 +30,9 @@ import torch
 
 from connectors.backoff import Backoff
 from connectors._pages import (DEFAULT_LOAD_TIMEOUT_S, DEFAULT_LOOKUP_TIMEOUT_S, DEFAULT_MAX_PENDING_SAVE_BYTES,
-                              BackgroundLoad, SaveWriter, check_lease_ttl, check_load_timeout, gather_blocks,
+                              BackgroundLoad, SaveWriter, check_lease_ttl, check_load_timeout,
                               load_targets, queued_engine_work, scatter_layer)
+from connectors._copy_out import copy_out
 from connectors.base import ConnectorHit, KVConnector, LoadFailed, LoadHandle, PageBytes
 from connectors.lower_tiers import LowerTiers
 from kvstore.errors import KVStoreError, StoreClosed, UnknownLease
@@ -194,8 +195,8 @@ class StoreConnector(KVConnector):
              parent: bytes | None) -> None:
         if not block_hashes or self.read_only:
             return
-        payloads = gather_blocks(self.spec, pool, pages[: len(block_hashes)])  # layer-major, as the store lays it out
-        self._saves.put(block_hashes, payloads, parent)
+        copied = copy_out(self.spec, pool, pages[: len(block_hashes)])  # the pages are free for reuse now
+        self._saves.put(block_hashes, copied.payloads, parent, ready=copied.wait)
 
     def release(self, request_id: str) -> None:
         with self._lock:
@@ -206,7 +207,8 @@ class StoreConnector(KVConnector):
         self._saves.flush()
 
     def wait_copied(self) -> None:
-        """Nothing to wait for: ``save`` gathers the pages into its own buffers before returning."""
+        """Nothing to wait for: ``save`` has copied the pages out, or queued that copy ahead of any
+        later use of them (``connectors._copy_out``), before it returned."""
 
     def close(self) -> None:
         self._saves.close()
