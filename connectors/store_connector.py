@@ -43,6 +43,7 @@ from kvstore.store import TieredStore
 
 log = logging.getLogger(__name__)
 DEFAULT_LEASE_TTL_S = 60.0
+DEMOTE_CHECK_WAIT_S = 0.01  # an evicting engine's thread asks whether the store holds the block this long
 RELEASE_WAIT_S = 0.05  # the engine's thread waits this long for the store's lock to end a lease, then hands it off
 
 
@@ -197,6 +198,20 @@ class StoreConnector(KVConnector):
             return
         copied = copy_out(self.spec, pool, pages[: len(block_hashes)])  # the pages are free for reuse now
         self._saves.put(block_hashes, copied.payloads, parent, ready=copied.wait)
+
+    def demote(self, block_hash: bytes, page: int, pool: PageBytes, parent: bytes | None) -> None:
+        """Save the evicted page's block unless the store holds it already: the engine saved it
+        when it was computed, so that is the usual case, and the save would copy every layer of
+        the page out for a duplicate the store drops. A store lock busy past
+        ``DEMOTE_CHECK_WAIT_S`` (the engine's thread is waiting) saves it anyway."""
+        if self.read_only:
+            return
+        try:
+            if self.store.holds(self.ns_id, block_hash, wait_s=DEMOTE_CHECK_WAIT_S):
+                return
+        except StoreClosed:
+            return  # nothing would store it
+        super().demote(block_hash, page, pool, parent)
 
     def release(self, request_id: str) -> None:
         with self._lock:

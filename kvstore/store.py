@@ -35,6 +35,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from kvstore.adoption import parents_first
 from kvstore.buffers import byte_view, check_size
 from kvstore.directory import MAX_TIERS, Directory
 from kvstore.placement import PlacementMixin
@@ -151,6 +152,19 @@ class TieredStore(PlacementMixin, LeaseHolderMixin):
             return LookupResult(len(block_hashes), spec.block_size, (), busy=True)
         try:
             return self._lookup_locked(ns_id, spec, block_hashes, lease_ttl_s)
+        finally:
+            self._lock.release()
+
+    def holds(self, ns_id: bytes, block_hash: bytes, wait_s: float | None = None) -> bool:
+        """Whether a lookup would hit ``block_hash``, asked without counting a lookup or taking a
+        lease (an engine about to demote a device page asks first). False, too, when the lock
+        stayed held past ``wait_s`` (see ``lookup``): the caller then stores it as if missing."""
+        self.spec(ns_id)
+        check_hashes([block_hash])
+        if not self._acquire(wait_s):
+            return False
+        try:
+            return bool(self._top_tiers(ns_id, [block_hash]))
         finally:
             self._lock.release()
 
@@ -372,29 +386,11 @@ class TieredStore(PlacementMixin, LeaseHolderMixin):
                 self._forget(key, t)
 
     def _adopt_resident_blocks(self) -> None:
-        """Rebuild the directory and policies from what persistent tiers already hold.
-
-        Parents are inserted before their children so chain structure survives a restart. Blocks
-        that are their own ancestors (written before ``put`` refused loops) are removed, not
-        adopted: none of them would ever be a leaf, so none could ever be evicted.
-        """
+        """Rebuild the directory and policies from what persistent tiers already hold, parents
+        before children (``kvstore.adoption``), then shrink a tier over its capacity."""
         for t, tier in enumerate(self.tiers):
-            metas = dict(tier.items())
-            done: set[bytes] = set()
-            for key in metas:
-                chain = []
-                while key in metas and key not in done:
-                    chain.append(key)
-                    done.add(key)
-                    key = metas[key].parent
-                if key in chain:  # the walk came back into its own chain: chain[at:] is a loop
-                    at = chain.index(key)
-                    for k in chain[at:]:
-                        tier.remove(k)
-                    log.warning("%s tier: removed %d blocks that were their own ancestors", tier.name, len(chain) - at)
-                    chain = chain[:at]
-                for k in reversed(chain):
-                    self._publish(t, k, metas[k])
+            for key, meta in parents_first(tier):
+                self._publish(t, key, meta)
             while tier.used_bytes > tier.capacity_bytes and self._make_room_for_shrink(t):
                 pass
 

@@ -143,6 +143,37 @@ def test_a_read_only_connector_loads_but_never_saves(tmp_path, hashes):
     store.close()
 
 
+def test_demoting_a_block_the_store_holds_saves_nothing_and_one_it_lacks_is_saved(tmp_path, hashes):
+    """A device eviction used to copy every layer of the page out for a duplicate the store dropped."""
+    store = make_store(tmp_path)
+    connector = StoreConnector(store, NS)
+    source = BytePool(3, seed=8)
+    connector.save("a", hashes[:2], [0, 1], source, parent=None)
+    connector.flush()
+    before = store.stats()
+    connector.demote(hashes[1], 1, source, parent=hashes[0])
+    connector.flush()
+    after = store.stats()
+    assert after.puts == before.puts, "no save of a block the store holds"
+    assert after.lookups == before.lookups, "asking is not a lookup: the hit rate is not skewed"
+    connector.demote(hashes[2], 2, source, parent=hashes[1])
+    connector.flush()
+    assert store.stats().stored_blocks == 3
+    hit = connector.lookup("b", hashes)
+    target = BytePool(3)
+    assert hit.blocks == 3 and connector.start_load(hit, hashes, [0, 1, 2], target).wait() == 3
+    assert torch.equal(target.layer_page_bytes(1, 2), source.layer_page_bytes(1, 2))
+    unstick = hold_store_lock(store)  # busy past the engine's wait: demoted as if missing
+    try:
+        connector.demote(hashes[0], 0, source, parent=None)
+    finally:
+        unstick.set()
+    connector.flush()
+    assert store.stats().puts == after.puts + 2 and store.stats().duplicate_blocks == before.duplicate_blocks + 1
+    connector.close()
+    store.close()
+
+
 def stall_reads(tier) -> threading.Event:
     """Make ``tier``'s reads hang until the returned event is set, as a disk that stops answering."""
     unstick, read = threading.Event(), tier.read

@@ -51,6 +51,23 @@ def test_put_lookup_load_round_trip(make_store, namespace, spec, chain):
     store.check_integrity()
 
 
+def test_holds_answers_as_a_lookup_would_without_counting_or_leasing(make_store, namespace, spec, chain):
+    store = make_store(background_writes=False)
+    ns_id = store.register_namespace(namespace)
+    put_chain(store, ns_id, spec, chain[:2])
+    lease = store.lookup(ns_id, chain[:2], lease_ttl_s=60).lease_id
+    before = store.stats()
+    assert store.holds(ns_id, chain[1]) and not store.holds(ns_id, chain[2])
+    after = store.stats()
+    assert (after.lookups, after.hit_blocks, after.leases_active) == (before.lookups, before.hit_blocks, 1)
+    store.delete_namespace(ns_id)  # still pinned by the lease: resident, but no longer a hit
+    store.register_namespace(namespace)
+    assert not store.holds(ns_id, chain[0])
+    store.release(lease)
+    with pytest.raises(InvalidRequest):
+        store.holds(ns_id, b"short")
+
+
 def test_lookup_of_a_prompt_sharing_a_prefix_hits_exactly_the_shared_blocks(make_store, namespace, spec):
     store = make_store(background_writes=False)
     ns_id = store.register_namespace(namespace)
