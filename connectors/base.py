@@ -31,7 +31,11 @@ from kvstore.layout import BlockSpec
 
 
 class PageBytes(Protocol):
-    """The device tier as the connector sees it: one block of one layer = one byte range."""
+    """The device tier as the connector sees it: one block of one layer = one byte range.
+
+    A pool that keeps each layer in one tensor may also offer ``layer_pages(layer)``, that
+    tensor as [num_pages, layer_bytes] uint8: a save then copies each layer of all its pages
+    with one call (``connectors._copy_out``) instead of one ``layer_page_bytes`` call a page."""
 
     def layer_page_bytes(self, layer: int, page: int) -> torch.Tensor:
         """[layer_bytes] uint8 view of page ``page`` of ``layer``, laid out exactly as the store's

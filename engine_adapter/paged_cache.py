@@ -66,6 +66,10 @@ class PagePool(PageAllocator):
         """[layer_bytes] uint8 view: layer ``layer`` of page ``page``, as one layer of a block payload."""
         return self.storage[layer][page]
 
+    def layer_pages(self, layer: int) -> torch.Tensor:
+        """[num_pages, layer_bytes] uint8: every page of layer ``layer`` (``PageBytes``)."""
+        return self.storage[layer]
+
 
 def _typed(raw: torch.Tensor, page_size: int, width: int) -> torch.Tensor:
     """[N, page_size * width * 2] uint8 (row-strided) -> [N, page_size, width] bf16 view."""

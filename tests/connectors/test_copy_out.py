@@ -6,6 +6,7 @@ import threading
 import time
 
 import numpy as np
+import pytest
 import torch
 
 from connectors._copy_out import CopiedOut, copy_out, gather_on_device
@@ -29,12 +30,23 @@ class BytePool:
         return self.layers[layer][page]
 
 
+class LayerPool(BytePool):
+    """The same pages, also offered a layer at a time (``layer_pages``), as ``PagePool`` does."""
+
+    def layer_pages(self, layer):
+        return self.layers[layer]
+
+
+POOLS = [BytePool, LayerPool]
+
+
 def expected_payload(pool: BytePool, page: int) -> np.ndarray:
     return np.concatenate([pool.layer_page_bytes(layer, page).numpy() for layer in range(SPEC.num_layers)])
 
 
-def test_host_pages_are_copied_before_copy_out_returns_into_page_aligned_payloads():
-    pool, pages = BytePool(6), [4, 1, 5]
+@pytest.mark.parametrize("make_pool", POOLS)
+def test_host_pages_are_copied_before_copy_out_returns_into_page_aligned_payloads(make_pool):
+    pool, pages = make_pool(6), [4, 1, 5]
     expected = [expected_payload(pool, page) for page in pages]
     copied = copy_out(SPEC, pool, pages)
     for layer in pool.layers:  # the engine reuses its pages at once
@@ -46,8 +58,9 @@ def test_host_pages_are_copied_before_copy_out_returns_into_page_aligned_payload
         assert payload.ctypes.data % 4096 == 0, "the disk tier writes a page-aligned payload with no copy"
 
 
-def test_the_device_gather_lays_each_block_out_as_the_host_copy_does():
-    pool, pages = BytePool(6), [5, 0, 3, 0]
+@pytest.mark.parametrize("make_pool", POOLS)
+def test_the_device_gather_lays_each_block_out_as_the_host_copy_does(make_pool):
+    pool, pages = make_pool(6), [5, 0, 3, 0]
     staged = gather_on_device(SPEC, pool, pages)  # on the pool's device: here the CPU
     assert staged.shape == (4, SPEC.block_bytes) and staged.dtype == torch.uint8
     for row, payload in zip(staged, copy_out(SPEC, pool, pages).payloads):
