@@ -51,6 +51,10 @@ class Pages:
     def layer_page_bytes(self, layer: int, page: int) -> torch.Tensor:
         return self.layers[layer][page]
 
+    def layer_pages(self, layer: int) -> torch.Tensor:
+        """Each layer whole, as ``PagePool`` offers it (``connectors.base.PageBytes``)."""
+        return self.layers[layer]
+
 
 def load_seconds(connector: KVConnector, hashes: list[bytes], pages: Pages) -> tuple[float, float]:
     """(seconds until layer 0 of every block is in place, seconds until the whole load is)."""
@@ -70,9 +74,10 @@ def memcpy_seconds(source: np.ndarray, pages: Pages, blocks: int) -> float:
     """The same copies with nothing in between: block ``b``'s layer ``l`` into page ``b`` of layer ``l``."""
     started = time.perf_counter()
     for layer in range(SPEC.num_layers):
+        rows = pages.layers[layer].numpy()  # [pages, layer_bytes]
         for block in range(blocks):
             offset = block * SPEC.block_bytes + SPEC.layer_range(layer)[0]
-            np.copyto(pages.layers[layer][block].numpy(), source[offset : offset + SPEC.layer_bytes])
+            np.copyto(rows[block], source[offset : offset + SPEC.layer_bytes])
     return time.perf_counter() - started
 
 
@@ -80,8 +85,8 @@ def memcpy_seconds(source: np.ndarray, pages: Pages, blocks: int) -> float:
 def stored(blocks: int, payloads: list[np.ndarray], hashes: list[bytes], sidecar: bool):
     """A connector whose store's host tier holds ``payloads`` under ``hashes``."""
     with tempfile.TemporaryDirectory() as directory:
+        host_mib = 64 * -(-blocks * SPEC.block_bytes * 2 // (64 << 20))  # whole 64 MiB host-tier pages
         if sidecar:
-            host_mib = 64 * -(-blocks * SPEC.block_bytes * 2 // (64 << 20))  # whole 64 MiB host-tier pages
             with LocalSidecar(directory, f"{host_mib}MiB", "0", http_address="off") as running:
                 client = KVStoreClient(running.address)
                 connector = SidecarConnector(client, NS)
@@ -95,7 +100,7 @@ def stored(blocks: int, payloads: list[np.ndarray], hashes: list[bytes], sidecar
                     connector.close()
                     client.close()
         else:
-            store = TieredStore([HostTier(blocks * SPEC.block_bytes * 2, shm_dir=directory)])
+            store = TieredStore([HostTier(host_mib << 20, shm_dir=directory)])
             connector = StoreConnector(store, NS)
             try:
                 store.put(connector.ns_id, hashes, payloads)

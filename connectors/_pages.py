@@ -13,7 +13,7 @@ import warnings
 import queue
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -59,13 +59,30 @@ def load_targets(hit, block_hashes: Sequence[bytes], pages: Sequence[int]) -> tu
     return list(block_hashes[: hit.blocks]), list(pages[: hit.blocks])
 
 
-def scatter_layer(spec: BlockSpec, pool: PageBytes, layer: int, page: int, payload: np.ndarray) -> None:
-    """Write layer ``layer`` of a block payload into ``page`` (a CPU or device page alike)."""
+def host_pages(pool: PageBytes, layer: int, pages: Sequence[int]) -> Iterator[np.ndarray]:
+    """A writable [layer_bytes] uint8 numpy view of each of ``pages`` in ``layer`` of a host pool.
+    Through ``layer_pages`` where the pool has it: a torch call per page (``layer_page_bytes``)
+    costs more than the copy of a 72 KiB page (``benchmarks/save_copy.py``)."""
+    layer_pages = getattr(pool, "layer_pages", None)
+    if layer_pages is not None:
+        rows = layer_pages(layer).numpy()  # [num_pages, layer_bytes] uint8
+        return (rows[page] for page in pages)
+    return (host_view(pool.layer_page_bytes(layer, page)) for page in pages)
+
+
+def scatter_layer(spec: BlockSpec, pool: PageBytes, layer: int, pages: Sequence[int],
+                  payloads: Sequence[np.ndarray]) -> None:
+    """Write layer ``layer`` of ``payloads[i]`` into page ``pages[i]`` (CPU or device pages alike)."""
+    if not pages:
+        return
     offset, size = spec.layer_range(layer)
-    target = pool.layer_page_bytes(layer, page)  # [layer_bytes] uint8
-    if target.device.type == "cpu":  # numpy: torch's copy_ on a load's thread is ~9x slower (intra-op threads)
-        np.copyto(host_view(target), payload[offset : offset + size])
-    else:
+    if pool.layer_page_bytes(layer, pages[0]).device.type == "cpu":
+        for target, payload in zip(host_pages(pool, layer, pages), payloads):
+            # numpy: torch's copy_ on a load's thread is ~9x slower (intra-op threads)
+            np.copyto(target, payload[offset : offset + size])
+        return
+    for page, payload in zip(pages, payloads):
+        target = pool.layer_page_bytes(layer, page)  # [layer_bytes] uint8
         target.copy_(_source_tensor(payload[offset : offset + size]).view(target.dtype).reshape(target.shape))
 
 

@@ -227,8 +227,7 @@ class SidecarConnector(KVConnector):
         """Payloads already in memory (the load's buffers, or pinned shared memory) into their pages."""
         with fence:
             for layer in range(self.spec.num_layers):
-                for page, payload in zip(pages, payloads):
-                    scatter_layer(self.spec, pool, layer, page, payload)
+                scatter_layer(self.spec, pool, layer, pages, payloads)
 
     def _proven_until(self, asked: float) -> float:
         """Until when a copy out of slots granted by a GetSlots call made at ``asked`` is proven
@@ -244,8 +243,7 @@ class SidecarConnector(KVConnector):
         signalled only after a successful release, as the caller does for the whole load."""
         for layer in range(self.spec.num_layers):
             with fence:
-                for page, slot in zip(pages, slots):
-                    scatter_layer(self.spec, pool, layer, page, slot)
+                scatter_layer(self.spec, pool, layer, pages, slots)
             if time.monotonic() < proven_until:
                 layer_done(layer + 1)
 

@@ -145,15 +145,10 @@ class StoreConnector(KVConnector):
             staging = _DeviceStaging.for_pool(pool, pages, self.spec.layer_bytes)
             for layer in range(self.spec.num_layers):
                 with fence:  # memory copies only: a read that hangs never holds the fence
-                    try:
-                        for i, (page, source) in enumerate(zip(pages, sources)):
-                            if staging is None:
-                                scatter_layer(self.spec, pool, layer, page, source)
-                            else:
-                                staging.copy(pool, layer, page, i, self.spec.layer_range(layer), source)
-                    finally:  # the layer's copies have landed before the engine reads it or the fence opens
-                        if staging is not None:
-                            staging.synchronize()
+                    if staging is None:
+                        scatter_layer(self.spec, pool, layer, pages, sources)
+                    else:
+                        staging.copy_layer(pool, layer, pages, self.spec.layer_range(layer), sources)
                 if views and not self.store.lease_alive(lease_id):  # a slot may have been reused mid-copy
                     raise LoadFailed(f"the lease on {len(hashes)} blocks ended during the copy")
                 layer_done(layer + 1)
@@ -272,12 +267,15 @@ class _DeviceStaging:
             return None
         return cls(len(pages), layer_bytes, device)
 
-    def copy(self, pool: PageBytes, layer: int, page: int, row: int, layer_range: tuple[int, int],
-             source: np.ndarray) -> None:
+    def copy_layer(self, pool: PageBytes, layer: int, pages: Sequence[int], layer_range: tuple[int, int],
+                   sources: Sequence[np.ndarray]) -> None:
+        """Layer ``layer`` of ``sources[i]`` into page ``pages[i]``; returns once every copy has
+        landed, so the engine may read the layer and the fence may open."""
         offset, size = layer_range
-        self.rows[row].numpy()[:] = source[offset : offset + size]  # the row's last copy has landed (synchronize)
-        with torch.cuda.stream(self.stream):
-            pool.layer_page_bytes(layer, page).copy_(self.rows[row], non_blocking=True)
-
-    def synchronize(self) -> None:
-        self.stream.synchronize()
+        try:
+            for row, (page, source) in enumerate(zip(pages, sources)):
+                self.rows[row].numpy()[:] = source[offset : offset + size]  # the row's last copy has landed
+                with torch.cuda.stream(self.stream):
+                    pool.layer_page_bytes(layer, page).copy_(self.rows[row], non_blocking=True)
+        finally:
+            self.stream.synchronize()

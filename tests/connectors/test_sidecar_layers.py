@@ -83,9 +83,9 @@ def test_only_layers_copied_within_half_the_ttl_of_asking_for_the_slots_are_sign
         now[0] += 2.5
         return grant
 
-    def slow_scatter(spec, pool, layer, page, payload):
-        scatter(spec, pool, layer, page, payload)
-        now[0] += 1 / 6  # six pages: one second a layer
+    def slow_scatter(spec, pool, layer, pages, payloads):
+        scatter(spec, pool, layer, pages, payloads)
+        now[0] += 1  # one second a layer
     consumer.client.get_slots = slow_get_slots
     monkeypatch.setattr(sidecar_connector, "scatter_layer", slow_scatter)
     go = _held_release(consumer)
