@@ -9,7 +9,6 @@ of the engine's pool holds one layer of one block (``PageBytes.layer_page_bytes`
 from __future__ import annotations
 
 import logging
-import warnings
 import queue
 import threading
 import time
@@ -46,9 +45,7 @@ def check_lease_ttl(seconds: float) -> float:
 
 
 def host_view(t: torch.Tensor) -> np.ndarray:
-    """Flat uint8 numpy view of a CPU tensor (a device tensor is copied to the host first)."""
-    if t.device.type != "cpu":
-        t = t.to("cpu", non_blocking=False)
+    """Flat uint8 numpy view of a CPU tensor."""
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
@@ -72,27 +69,42 @@ def host_pages(pool: PageBytes, layer: int, pages: Sequence[int]) -> Iterator[np
 
 def scatter_layer(spec: BlockSpec, pool: PageBytes, layer: int, pages: Sequence[int],
                   payloads: Sequence[np.ndarray]) -> None:
-    """Write layer ``layer`` of ``payloads[i]`` into page ``pages[i]`` (CPU or device pages alike)."""
+    """Write layer ``layer`` of ``payloads[i]`` into page ``pages[i]``; returns once every copy has
+    landed, so the engine may read the layer and a load's fence may open. Host pages: numpy
+    copies (torch's ``copy_`` on a load's thread is ~9x slower: intra-op threads). CUDA pages:
+    ``_scatter_to_cuda``."""
     if not pages:
         return
     offset, size = spec.layer_range(layer)
-    if pool.layer_page_bytes(layer, pages[0]).device.type == "cpu":
-        for target, payload in zip(host_pages(pool, layer, pages), payloads):
-            # numpy: torch's copy_ on a load's thread is ~9x slower (intra-op threads)
-            np.copyto(target, payload[offset : offset + size])
+    device = pool.layer_page_bytes(layer, pages[0]).device
+    if device.type != "cpu":
+        _scatter_to_cuda(pool, layer, pages, [payload[offset : offset + size] for payload in payloads], device)
         return
-    for page, payload in zip(pages, payloads):
-        target = pool.layer_page_bytes(layer, page)  # [layer_bytes] uint8
-        target.copy_(_source_tensor(payload[offset : offset + size]).view(target.dtype).reshape(target.shape))
+    for target, payload in zip(host_pages(pool, layer, pages), payloads):
+        np.copyto(target, payload[offset : offset + size])
 
 
-def _source_tensor(source: np.ndarray) -> torch.Tensor:
-    """A tensor over ``source`` that is only read (a read-only shared-memory view is fine)."""
-    if source.flags.writeable:
-        return torch.from_numpy(source)
-    with warnings.catch_warnings():  # torch warns that writing would be undefined; we never write
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(source)
+def _scatter_to_cuda(pool: PageBytes, layer: int, pages: Sequence[int], slices: Sequence[np.ndarray],
+                     device: torch.device) -> None:
+    """One layer's ``slices`` into their CUDA pages: gathered into pinned rows (torch caches
+    pinned blocks), copied without blocking on a stream of their own, and waited for. Never on the
+    load thread's current stream: the legacy default stream would wait for the engine's kernels,
+    and they for it, so no layer could compute while later ones load. Before session 31 the
+    ``SidecarConnector`` copied each page of each layer synchronously from pageable memory there.
+    Untested on a GPU: no GPU was lent to the session that wrote it."""
+    rows = torch.empty((len(pages), slices[0].nbytes), dtype=torch.uint8, pin_memory=True)  # [n, layer_bytes]
+    for row, piece in zip(rows.numpy(), slices):
+        row[:] = piece
+    copier = torch.cuda.Stream(device)
+    with torch.cuda.stream(copier):
+        layer_pages = getattr(pool, "layer_pages", None)
+        if layer_pages is not None:  # one copy and one kernel for the whole layer
+            index = torch.as_tensor(list(pages), dtype=torch.long).to(device, non_blocking=True)  # [n]
+            layer_pages(layer).index_copy_(0, index, rows.to(device, non_blocking=True))
+        else:
+            for page, row in zip(pages, rows):
+                pool.layer_page_bytes(layer, page).copy_(row, non_blocking=True)
+    copier.synchronize()
 
 
 def queued_engine_work(pool: PageBytes, pages: Sequence[int]) -> Callable[[], None] | None:

@@ -26,7 +26,6 @@ import threading
 from typing import Sequence
 
 import numpy as np
-import torch
 
 from connectors.backoff import Backoff
 from connectors._pages import (DEFAULT_LOAD_TIMEOUT_S, DEFAULT_LOOKUP_TIMEOUT_S, DEFAULT_MAX_PENDING_SAVE_BYTES,
@@ -142,13 +141,9 @@ class StoreConnector(KVConnector):
             # one large verified read per block instead of a small, latency-bound read per layer.
             views = self.store.leased_views(self.ns_id, hashes, lease_id) if lease_id is not None else []
             sources = [view for _, view in views] + self._read_below(hashes[len(views):], reading_below, abandoned)
-            staging = _DeviceStaging.for_pool(pool, pages, self.spec.layer_bytes)
             for layer in range(self.spec.num_layers):
                 with fence:  # memory copies only: a read that hangs never holds the fence
-                    if staging is None:
-                        scatter_layer(self.spec, pool, layer, pages, sources)
-                    else:
-                        staging.copy_layer(pool, layer, pages, self.spec.layer_range(layer), sources)
+                    scatter_layer(self.spec, pool, layer, pages, sources)
                 if views and not self.store.lease_alive(lease_id):  # a slot may have been reused mid-copy
                     raise LoadFailed(f"the lease on {len(hashes)} blocks ended during the copy")
                 layer_done(layer + 1)
@@ -246,36 +241,3 @@ class StoreConnector(KVConnector):
 def _lease_not_ended(lease_id: int, exc: Exception) -> None:
     if not isinstance(exc, UnknownLease):  # unknown: expired meanwhile, nothing left to end
         log.debug("ending lease %d failed (%s: %s); its TTL ends it", lease_id, type(exc).__name__, exc)
-
-
-class _DeviceStaging:
-    """Pinned host rows [blocks, layer_bytes], one per block, and a copy stream on the pool's
-    device. A layer's copies are queued on that stream without blocking; ``synchronize`` waits
-    for exactly them (not the engine's kernels, not another device's work). The load's thread has
-    waited for the engine's work on the pages first (``queued_engine_work``). Untested on a GPU in
-    this form: no GPU was lent to the session that wrote it."""
-
-    def __init__(self, blocks: int, layer_bytes: int, device: torch.device):
-        self.rows = torch.empty((blocks, layer_bytes), dtype=torch.uint8).pin_memory()
-        self.stream = torch.cuda.Stream(device=device)
-
-    @classmethod
-    def for_pool(cls, pool: PageBytes, pages: Sequence[int], layer_bytes: int) -> "_DeviceStaging | None":
-        """Staging for a device pool; None for a CPU pool (copied straight into)."""
-        device = pool.layer_page_bytes(0, pages[0]).device if pages else None
-        if device is None or device.type == "cpu":
-            return None
-        return cls(len(pages), layer_bytes, device)
-
-    def copy_layer(self, pool: PageBytes, layer: int, pages: Sequence[int], layer_range: tuple[int, int],
-                   sources: Sequence[np.ndarray]) -> None:
-        """Layer ``layer`` of ``sources[i]`` into page ``pages[i]``; returns once every copy has
-        landed, so the engine may read the layer and the fence may open."""
-        offset, size = layer_range
-        try:
-            for row, (page, source) in enumerate(zip(pages, sources)):
-                self.rows[row].numpy()[:] = source[offset : offset + size]  # the row's last copy has landed
-                with torch.cuda.stream(self.stream):
-                    pool.layer_page_bytes(layer, page).copy_(self.rows[row], non_blocking=True)
-        finally:
-            self.stream.synchronize()
