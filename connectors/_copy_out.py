@@ -1,53 +1,44 @@
 """Copying saved blocks out of the engine's pages without holding up the engine's thread.
 
-A ``save`` must leave the engine free to reuse its pages as soon as it returns, and must not
-stall the engine's loop (it follows every prefill). ``copy_out`` does both:
+A ``save`` must not stall the engine's loop (it follows every prefill), and the engine must not
+reuse a saved page before the save has read it. ``copy_out`` returns a ``CopiedOut`` whose
+``wait()`` returns once the pages have been read and the payloads hold them:
 
-- **host pages** (CPU tensors): each block's layers are copied into one page-aligned payload
-  before it returns (memory copies; the disk tier writes such a payload with no further copy).
-- **CUDA pages**: kernels queued on the engine thread's current stream gather the blocks into
-  one device tensor, and a copy stream of its own copies that to pinned host memory. Nothing
-  waits on the engine's thread: a later kernel of the engine, or a load that waits for
-  ``queued_engine_work``, overwrites the pages only after the gather has read them (stream
-  order), and the writer thread calls ``CopiedOut.wait`` before the store reads the payloads.
-  Before this, every layer of every block was a synchronous device-to-host copy on the engine's
-  thread (61 stream synchronisations per block of a DeepSeek V3). Untested on a GPU: no GPU
-  was lent to the session that wrote it; ``gather_on_device`` is exercised here on the CPU.
+- **host pages** (CPU tensors): each block's layers are copied into page-aligned payloads before
+  ``copy_out`` returns (memory copies; the disk tier writes such a payload with no further copy),
+  a layer of all the pages at a time through the pool's ``layer_pages`` where it has one.
+- **CUDA pages**: a copy stream of the connector's, made to wait for the engine thread's
+  current stream (the kernels that computed the pages), gathers the blocks on the device and
+  copies them to pinned host memory, ``SAVE_CHUNK_BYTES`` at a time: device memory for one or
+  two chunks, never a whole long prompt's KV. Nothing waits on the engine's thread, and its
+  kernels do not wait for the copy. The engine waits (``KVConnector.wait_copied``) only before
+  it reuses saved pages: when it frees a finished request's (long after, as a rule) or demotes
+  an evicted one. Before session 31 every layer of every block was a synchronous device-to-host
+  copy on the engine's thread. Untested on a GPU: no GPU was lent to the session that wrote it;
+  ``gather_on_device`` is exercised here on the CPU.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Sequence
+import threading
+from typing import Sequence
 
 import numpy as np
 import torch
 
-from connectors._pages import host_pages
+from connectors._pages import host_pages, page_index
+from connectors._save_writer import CopiedOut
 from connectors.base import PageBytes
 from kvstore.buffers import aligned_empty
 from kvstore.layout import BlockSpec
 
 PAGE_ALIGN = 4096
-
-
-@dataclass(frozen=True)
-class CopiedOut:
-    """Blocks copied out of the engine's pages: ``payloads[i]`` ([block_bytes] uint8, layer-major
-    as the store lays out a block) holds page ``pages[i]`` once ``wait()`` has returned."""
-
-    payloads: list[np.ndarray]
-    wait: Callable[[], None] = lambda: None
-
-    @property
-    def nbytes(self) -> int:
-        return sum(payload.nbytes for payload in self.payloads)
+SAVE_CHUNK_BYTES = 256 << 20  # device and pinned memory a CUDA save's copy takes at a time
 
 
 def copy_out(spec: BlockSpec, pool: PageBytes, pages: Sequence[int]) -> CopiedOut:
-    """Copy the blocks held in ``pages`` out of ``pool``; the pages may be reused once it returns
-    (for CUDA pages: by work queued after it on the calling thread's stream, or ordered after
-    that stream). Call it on the engine's thread."""
+    """Copy the blocks held in ``pages`` out of ``pool``, or queue that copy (CUDA pages); call it
+    on the engine's thread, after queueing the work that computed the pages."""
     if not pages:
         return CopiedOut([])
     device = pool.layer_page_bytes(0, pages[0]).device
@@ -72,12 +63,11 @@ def aligned_payloads(count: int, block_bytes: int) -> list[np.ndarray]:
 
 def gather_on_device(spec: BlockSpec, pool: PageBytes, pages: Sequence[int]) -> torch.Tensor:
     """[len(pages), block_bytes] uint8 on the pages' device, row ``i`` the payload of page
-    ``pages[i]``: two kernels per layer, queued on the calling thread's current stream."""
+    ``pages[i]``: two kernels a layer, queued on the calling thread's current stream."""
     device = pool.layer_page_bytes(0, pages[0]).device
     staged = torch.empty(len(pages), spec.block_bytes, dtype=torch.uint8, device=device)
     layer_pages = getattr(pool, "layer_pages", None)
-    # a copy from pageable memory is staged by the driver at once: it waits for no queued kernel
-    index = torch.as_tensor(pages, dtype=torch.long).to(device, non_blocking=True)  # [n]
+    index = page_index(pages, device) if layer_pages is not None else None  # [n] int64
     for layer in range(spec.num_layers):
         offset, size = spec.layer_range(layer)
         rows = layer_pages(layer).index_select(0, index) if layer_pages is not None else \
@@ -88,13 +78,29 @@ def gather_on_device(spec: BlockSpec, pool: PageBytes, pages: Sequence[int]) -> 
 
 def _copy_out_of_cuda(spec: BlockSpec, pool: PageBytes, pages: Sequence[int], device: torch.device) -> CopiedOut:
     """``copy_out`` for CUDA pages (module docstring). Untested on a GPU."""
-    staged = gather_on_device(spec, pool, pages)  # [n, block_bytes] uint8, on the engine's stream
-    host = torch.empty(staged.shape, dtype=torch.uint8, pin_memory=True)  # [n, block_bytes] uint8
-    copier = torch.cuda.Stream(device)  # from torch's pool of streams: cheap to ask for
-    copier.wait_stream(torch.cuda.current_stream(device))  # after the gather
-    with torch.cuda.stream(copier):
-        host.copy_(staged, non_blocking=True)
-    staged.record_stream(copier)  # the allocator keeps its memory until the copy has read it
+    copier = _copy_stream(device)
+    copier.wait_stream(torch.cuda.current_stream(device))  # after the kernels that computed the pages
+    per_chunk = max(1, SAVE_CHUNK_BYTES // spec.block_bytes)
+    payloads: list[np.ndarray] = []
+    with torch.cuda.stream(copier):  # staging is allocated, used and freed on this stream alone
+        for start in range(0, len(pages), per_chunk):
+            staged = gather_on_device(spec, pool, pages[start : start + per_chunk])  # [n, block_bytes] uint8
+            host = torch.empty(staged.shape, dtype=torch.uint8, pin_memory=True)  # torch caches pinned blocks
+            host.copy_(staged, non_blocking=True)
+            payloads.extend(row.numpy() for row in host)  # each view keeps ``host`` alive
     copied = torch.cuda.Event()
     copied.record(copier)
-    return CopiedOut([row.numpy() for row in host], copied.synchronize)
+    return CopiedOut(payloads, copied.synchronize)
+
+
+_copy_streams: dict[torch.device, torch.cuda.Stream] = {}
+_copy_streams_lock = threading.Lock()
+
+
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """The saves' copy stream on ``device`` (one for the process: each save's event then also
+    covers the saves before it)."""
+    with _copy_streams_lock:
+        if device not in _copy_streams:
+            _copy_streams[device] = torch.cuda.Stream(device)
+        return _copy_streams[device]

@@ -9,7 +9,6 @@ of the engine's pool holds one layer of one block (``PageBytes.layer_page_bytes`
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from typing import Callable, Iterator, Sequence
@@ -24,7 +23,6 @@ from kvstore.store import MAX_LEASE_TTL_S
 log = logging.getLogger("connectors")
 DEFAULT_LOAD_TIMEOUT_S = 30.0  # far beyond a healthy load (GB/s), well short of a hung request
 DEFAULT_LOOKUP_TIMEOUT_S = 1.0  # a lookup is on the engine's scheduling path; a healthy one takes ms
-DEFAULT_MAX_PENDING_SAVE_BYTES = 1 << 30  # saves copied out of the engine's pages, not yet in the store
 
 
 def check_load_timeout(seconds: float | None) -> float | None:
@@ -67,6 +65,15 @@ def host_pages(pool: PageBytes, layer: int, pages: Sequence[int]) -> Iterator[np
     return (host_view(pool.layer_page_bytes(layer, page)) for page in pages)
 
 
+def page_index(pages: Sequence[int], device: torch.device) -> torch.Tensor:
+    """[n] int64 page ids on ``device``, copied without waiting (from pinned memory on a GPU:
+    a copy from pageable memory may wait for the stream's queued work)."""
+    index = torch.tensor(list(pages), dtype=torch.long)
+    if device.type == "cuda":
+        index = index.pin_memory()  # torch's caching host allocator: cheap after the first
+    return index.to(device, non_blocking=True)
+
+
 def scatter_layer(spec: BlockSpec, pool: PageBytes, layer: int, pages: Sequence[int],
                   payloads: Sequence[np.ndarray]) -> None:
     """Write layer ``layer`` of ``payloads[i]`` into page ``pages[i]``; returns once every copy has
@@ -95,16 +102,17 @@ def _scatter_to_cuda(pool: PageBytes, layer: int, pages: Sequence[int], slices: 
     rows = torch.empty((len(pages), slices[0].nbytes), dtype=torch.uint8, pin_memory=True)  # [n, layer_bytes]
     for row, piece in zip(rows.numpy(), slices):
         row[:] = piece
-    copier = torch.cuda.Stream(device)
+    copier = torch.cuda.Stream(device)  # from torch's pool of streams: cheap to ask for
     with torch.cuda.stream(copier):
         layer_pages = getattr(pool, "layer_pages", None)
         if layer_pages is not None:  # one copy and one kernel for the whole layer
-            index = torch.as_tensor(list(pages), dtype=torch.long).to(device, non_blocking=True)  # [n]
-            layer_pages(layer).index_copy_(0, index, rows.to(device, non_blocking=True))
+            layer_pages(layer).index_copy_(0, page_index(pages, device), rows.to(device, non_blocking=True))
         else:
             for page, row in zip(pages, rows):
                 pool.layer_page_bytes(layer, page).copy_(row, non_blocking=True)
-    copier.synchronize()
+    landed = torch.cuda.Event()  # waits for these copies, not for later work of a stream the pool hands out again
+    landed.record(copier)
+    landed.synchronize()
 
 
 def queued_engine_work(pool: PageBytes, pages: Sequence[int]) -> Callable[[], None] | None:
@@ -273,107 +281,3 @@ class BackgroundLoad(LoadHandle):
             self._cond.notify_all()
         if first and gave_up:
             self._on_abandon(cancelled)
-
-
-class SaveWriter:
-    """One background thread that hands queued saves to ``write(hashes, payloads, parent)``, each
-    once its ``ready()`` has returned (``CopiedOut.wait``: an asynchronous copy out of device pages).
-
-    A save that fails is dropped (its blocks stay uncached) and counted in ``failed_saves``; the
-    first failure of a run of them is logged with its traceback, the rest at debug level, and the
-    next save that succeeds says how many failed (a closed store failed every save of a busy
-    engine with a traceback each). ``flush`` waits for every
-    save queued so far; ``close`` flushes and ends the thread. The queue holds at most
-    ``max_pending_bytes`` of payloads (one save always fits): a store that stops keeping up (a
-    hung disk, a lock that stays held) would otherwise grow the engine's memory without bound. A
-    save beyond it is dropped, counted in ``dropped_blocks`` and warned about once per episode.
-    So is a save after ``close`` (an engine still committing while it shuts down): nothing would
-    write it, and a ``flush`` would wait for it forever.
-    """
-
-    def __init__(self, write: Callable[[list[bytes], list[np.ndarray], bytes | None], None],
-                 failed_message: str = "saving blocks to the store failed; they stay uncached",
-                 logger: logging.Logger = log, max_pending_bytes: int = DEFAULT_MAX_PENDING_SAVE_BYTES):
-        if not max_pending_bytes > 0:
-            raise ValueError(f"max_pending_save_bytes must be positive, not {max_pending_bytes!r}")
-        self._write, self._failed_message, self._log = write, failed_message, logger
-        self._max_pending_bytes = max_pending_bytes
-        self._pending_bytes = 0
-        self._pending_lock = threading.Lock()
-        self._dropping = False
-        self._closed = False
-        self._dropped_after_close = False  # warned of once
-        self.dropped_blocks = 0
-        self.failed_saves = 0
-        self._failing = 0  # saves failed since the last one that succeeded
-        self._queue: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="kv-save", daemon=True)
-        self._thread.start()
-
-    def put(self, hashes: Sequence[bytes], payloads: list[np.ndarray], parent: bytes | None,
-            ready: Callable[[], None] | None = None) -> None:
-        nbytes = sum(payload.nbytes for payload in payloads)
-        with self._pending_lock:
-            if self._closed:
-                self._log.log(logging.DEBUG if self._dropped_after_close else logging.WARNING,
-                              "a save after the connector was closed is dropped (its blocks stay uncached)")
-                self._dropped_after_close = True
-                self.dropped_blocks += len(hashes)
-                return
-            if self._pending_bytes and self._pending_bytes + nbytes > self._max_pending_bytes:
-                self.dropped_blocks += len(hashes)
-                if not self._dropping:
-                    self._log.warning("saves waiting for the store passed %d bytes: it is not keeping up; new saves "
-                                      "are dropped (their blocks stay uncached) until it catches up",
-                                      self._max_pending_bytes)
-                    self._dropping = True
-                return
-            if self._dropping:
-                self._log.info("the store caught up with saves; %d blocks were dropped meanwhile", self.dropped_blocks)
-                self._dropping = False
-            self._pending_bytes += nbytes
-            self._queue.put((list(hashes), payloads, parent, nbytes, ready))  # under the lock: before close's end mark
-
-    def flush(self) -> None:
-        self._queue.join()
-
-    def close(self) -> None:
-        with self._pending_lock:
-            if self._closed:
-                return
-            self._closed = True
-        self.flush()
-        self._queue.put(None)
-        self._thread.join()
-
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            try:
-                if item is None:
-                    return
-                hashes, payloads, parent, nbytes, ready = item
-                try:
-                    if ready is not None:  # a failed copy fails the save: nothing half-copied is stored
-                        ready()
-                    self._write(hashes, payloads, parent)
-                finally:
-                    with self._pending_lock:
-                        self._pending_bytes -= nbytes
-                if self._failing:
-                    self._log.info("saving works again; %d saves failed meanwhile", self._failing)
-                    self._failing = 0
-            except Exception:
-                self._failed()
-            finally:
-                self._queue.task_done()
-
-    def _failed(self) -> None:
-        """Count a save that raised (called in its ``except``): a traceback for the first of a run."""
-        self.failed_saves += 1
-        self._failing += 1
-        if self._failing == 1:
-            self._log.exception("%s (further failures are logged at debug level until a save succeeds)",
-                                self._failed_message)
-        else:
-            self._log.debug(self._failed_message, exc_info=True)

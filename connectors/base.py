@@ -13,7 +13,7 @@ Split like vLLM's connector into two sides:
 Ownership: after ``lookup`` the connector holds a lease for the request; ``start_load`` takes it
 over and ends it when the load completes or fails; ``release`` ends it if no load came. The
 engine owns its pages throughout: ``start_load`` writes only into the pages it was given, and
-``save`` copies out of the given pages before returning (or before ``flush`` returns).
+``save`` copies out of the given pages before returning or before ``wait_copied`` returns.
 
 The page pool is anything that exposes each layer's page bytes in the store's component layout
 (``PageBytes``). This module knows blocks, pages and leases, nothing about models.
@@ -138,6 +138,7 @@ class KVConnector(ABC):
     def wait_copied(self) -> None:
         """Wait until every ``save`` so far has been copied out of the engine's pages, so they can
         be reused; the engine calls it before it releases a finished request's pages. Default:
-        ``flush``. A connector whose ``save`` copies before returning overrides it to return at
-        once, which keeps store writes off the engine's loop."""
+        ``flush``. A connector whose ``save`` copies (or queues its copy) without waiting for the
+        store overrides it to wait for the copies alone, which keeps store writes off the
+        engine's loop."""
         self.flush()

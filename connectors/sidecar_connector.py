@@ -47,10 +47,10 @@ from typing import Sequence
 import grpc
 import numpy as np
 
-from connectors._pages import (DEFAULT_LOAD_TIMEOUT_S, DEFAULT_LOOKUP_TIMEOUT_S, DEFAULT_MAX_PENDING_SAVE_BYTES,
-                              BackgroundLoad, PageFence, SaveWriter, check_lease_ttl, check_load_timeout,
-                              load_targets, queued_engine_work, scatter_layer)
 from connectors._copy_out import copy_out
+from connectors._pages import (DEFAULT_LOAD_TIMEOUT_S, DEFAULT_LOOKUP_TIMEOUT_S, BackgroundLoad, PageFence, check_lease_ttl,
+                              check_load_timeout, load_targets, queued_engine_work, scatter_layer)
+from connectors._save_writer import DEFAULT_MAX_PENDING_SAVE_BYTES, SaveWriter
 from connectors.base import ConnectorHit, KVConnector, LoadFailed, LoadHandle, PageBytes
 from connectors.lower_tiers import LowerTiers
 from connectors.sidecar_session import NOT_ANSWERING, SidecarNotAnswering, SidecarSession, describe
@@ -263,8 +263,9 @@ class SidecarConnector(KVConnector):
              parent: bytes | None) -> None:
         if not block_hashes or self.read_only:
             return
-        copied = copy_out(self.spec, pool, pages[: len(block_hashes)])  # the pages are free for reuse now
-        self._saves.put(block_hashes, copied.payloads, parent, ready=copied.wait)
+        pages = pages[: len(block_hashes)]
+        self._saves.save(block_hashes, len(pages) * self.spec.block_bytes, lambda: copy_out(self.spec, pool, pages),
+                         parent)
 
     def release(self, request_id: str) -> None:
         with self._lock:
@@ -275,8 +276,9 @@ class SidecarConnector(KVConnector):
         self._saves.flush()
 
     def wait_copied(self) -> None:
-        """Nothing to wait for: ``save`` has copied the pages out, or queued that copy ahead of any
-        later use of them (``connectors._copy_out``), before it returned."""
+        """Wait for the copies of saves out of CUDA pages (``connectors._copy_out``); host pages
+        were copied before ``save`` returned."""
+        self._saves.wait_copied()
 
     def close(self) -> None:
         self._saves.close()

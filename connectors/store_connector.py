@@ -4,8 +4,8 @@ Loads run on a background thread, layer-major: layer 0 of every hit block, then 
 the engine's forward pass can start layer 0 of the suffix while later layers are still arriving
 (``LoadHandle.wait_layer``). A save copies each block's layers out of the engine's pages into
 one payload (``connectors._copy_out``: at once from host pages; from CUDA pages by a gather
-queued on the engine's stream and an asynchronous copy to pinned memory, untested on a GPU),
-so the engine may reuse its pages as soon as ``save`` returns; a background writer then puts
+and an asynchronous copy to pinned memory queued on a copy stream, untested on a GPU, which
+``wait_copied`` waits for before the engine reuses the pages); a background writer then puts
 them into the store. Nothing of a save runs on the engine's critical path beyond that copy.
 
 Device pages are read and written through ``PageBytes.layer_page_bytes``. Only memory
@@ -28,10 +28,10 @@ from typing import Sequence
 import numpy as np
 
 from connectors.backoff import Backoff
-from connectors._pages import (DEFAULT_LOAD_TIMEOUT_S, DEFAULT_LOOKUP_TIMEOUT_S, DEFAULT_MAX_PENDING_SAVE_BYTES,
-                              BackgroundLoad, SaveWriter, check_lease_ttl, check_load_timeout,
-                              load_targets, queued_engine_work, scatter_layer)
 from connectors._copy_out import copy_out
+from connectors._pages import (DEFAULT_LOAD_TIMEOUT_S, DEFAULT_LOOKUP_TIMEOUT_S, BackgroundLoad, check_lease_ttl,
+                              check_load_timeout, load_targets, queued_engine_work, scatter_layer)
+from connectors._save_writer import DEFAULT_MAX_PENDING_SAVE_BYTES, SaveWriter
 from connectors.base import ConnectorHit, KVConnector, LoadFailed, LoadHandle, PageBytes
 from connectors.lower_tiers import LowerTiers
 from kvstore.errors import KVStoreError, StoreClosed, UnknownLease
@@ -186,8 +186,9 @@ class StoreConnector(KVConnector):
              parent: bytes | None) -> None:
         if not block_hashes or self.read_only:
             return
-        copied = copy_out(self.spec, pool, pages[: len(block_hashes)])  # the pages are free for reuse now
-        self._saves.put(block_hashes, copied.payloads, parent, ready=copied.wait)
+        pages = pages[: len(block_hashes)]
+        self._saves.save(block_hashes, len(pages) * self.spec.block_bytes, lambda: copy_out(self.spec, pool, pages),
+                         parent)
 
     def demote(self, block_hash: bytes, page: int, pool: PageBytes, parent: bytes | None) -> None:
         """Save the evicted page's block unless the store holds it already: the engine saved it
@@ -212,8 +213,9 @@ class StoreConnector(KVConnector):
         self._saves.flush()
 
     def wait_copied(self) -> None:
-        """Nothing to wait for: ``save`` has copied the pages out, or queued that copy ahead of any
-        later use of them (``connectors._copy_out``), before it returned."""
+        """Wait for the copies of saves out of CUDA pages (``connectors._copy_out``); host pages
+        were copied before ``save`` returned."""
+        self._saves.wait_copied()
 
     def close(self) -> None:
         self._saves.close()

@@ -1,16 +1,11 @@
 """copy_out: a save's blocks leave the engine's pages before ``save`` returns (host pages), laid
-out as the store lays out a block; the device gather lays them out the same way; the writer
-stores a save only once its copy is ready, and never one whose copy failed."""
-
-import threading
-import time
+out as the store lays out a block; the device gather lays them out the same way."""
 
 import numpy as np
 import pytest
 import torch
 
-from connectors._copy_out import CopiedOut, copy_out, gather_on_device
-from connectors._pages import SaveWriter
+from connectors._copy_out import copy_out, gather_on_device
 from kvstore.keys import Namespace
 from kvstore.layout import BlockSpec
 
@@ -70,30 +65,3 @@ def test_the_device_gather_lays_each_block_out_as_the_host_copy_does(make_pool):
 
 def test_no_pages_copy_nothing():
     assert copy_out(SPEC, BytePool(1), []).payloads == []
-
-
-def test_the_writer_stores_a_save_only_once_its_copy_is_ready():
-    copy_done, written = threading.Event(), []
-    saves = SaveWriter(lambda hashes, payloads, parent: written.extend(hashes))
-    saves.put([b"a"], [np.zeros(8, np.uint8)], None, ready=lambda: copy_done.wait(10))
-    time.sleep(0.1)
-    assert written == [], "not stored while the copy is in flight"
-    copy_done.set()
-    saves.flush()
-    assert written == [b"a"]
-    saves.close()
-
-
-def test_a_save_whose_copy_failed_is_counted_and_never_stored():
-    written = []
-
-    def failed_copy():
-        raise RuntimeError("CUDA error: an illegal memory access was encountered")
-
-    saves = SaveWriter(lambda hashes, payloads, parent: written.extend(hashes))
-    copied = CopiedOut([np.zeros(8, np.uint8)], failed_copy)
-    saves.put([b"a"], copied.payloads, None, ready=copied.wait)
-    saves.put([b"b"], [np.zeros(8, np.uint8)], None)
-    saves.flush()
-    assert written == [b"b"] and saves.failed_saves == 1
-    saves.close()

@@ -1,19 +1,16 @@
 """BackgroundLoad's deadline and PageFence: an engine never waits on a hung load, and a load it
-gave up on never writes into its pages afterwards. SaveWriter: saves never wait on the engine's
-thread, and never pile up without bound."""
+gave up on never writes into its pages afterwards."""
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 import types
 
-import numpy as np
 import pytest
 import torch
 
-from connectors._pages import BackgroundLoad, LoadAbandoned, PageFence, SaveWriter, queued_engine_work
+from connectors._pages import BackgroundLoad, LoadAbandoned, PageFence, queued_engine_work
 from connectors.base import LoadFailed
 from tests.kvstore.store_helpers import until
 
@@ -282,81 +279,3 @@ def test_wait_alone_ends_at_the_deadline_for_a_hung_load():
     assert handle.wait() == 0
     assert 0.27 <= time.monotonic() - started < 5
     unstick.set()
-
-
-def test_saves_beyond_the_pending_bound_are_dropped_until_the_store_catches_up(caplog):
-    """A store that stops keeping up must not grow the engine's memory without bound."""
-    unstick, written = threading.Event(), []
-
-    def write(hashes, payloads, parent):
-        unstick.wait(30)
-        written.extend(hashes)
-
-    saves = SaveWriter(write, max_pending_bytes=3000)
-    block = [np.zeros(1000, np.uint8)]
-    with caplog.at_level(logging.INFO, logger="connectors"):
-        for i in range(10):  # the first is being written (stuck), two more wait, the rest do not fit
-            saves.put([bytes([i])], block, None)
-        assert saves.dropped_blocks == 7
-        unstick.set()
-        saves.flush()
-        assert written == [bytes([0]), bytes([1]), bytes([2])]
-        saves.put([b"x"], block, None)
-        saves.flush()
-    assert written[-1] == b"x", "saves resume once the store caught up"
-    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and "not keeping up" in warnings[0].getMessage()
-    assert any("caught up" in r.getMessage() for r in caplog.records)
-    saves.close()
-
-
-def test_a_run_of_failing_saves_logs_one_traceback_and_says_how_many_failed_once_saving_works(caplog):
-    """A store closed under a busy engine failed every save, each with a traceback."""
-    broken, written = [True], []
-
-    def write(hashes, payloads, parent):
-        if broken[0]:
-            raise RuntimeError("the store is closed")
-        written.extend(hashes)
-
-    saves = SaveWriter(write)
-    with caplog.at_level(logging.DEBUG, logger="connectors"):
-        for i in range(50):
-            saves.put([bytes([i])], [np.zeros(10, np.uint8)], None)
-        saves.flush()
-        broken[0] = False
-        saves.put([b"x"], [np.zeros(10, np.uint8)], None)
-        saves.flush()
-    assert saves.failed_saves == 50 and written == [b"x"]
-    loud = [r for r in caplog.records if r.levelno >= logging.WARNING]
-    assert len(loud) == 1 and loud[0].exc_info is not None, "one traceback for the run"
-    assert sum(r.levelno == logging.DEBUG and r.exc_info is not None for r in caplog.records) == 49
-    assert any("saving works again; 50 saves failed meanwhile" in r.getMessage() for r in caplog.records)
-    saves.close()
-
-
-def test_one_save_larger_than_the_bound_still_goes():
-    written = []
-    saves = SaveWriter(lambda hashes, payloads, parent: written.extend(hashes), max_pending_bytes=10)
-    saves.put([b"a"], [np.zeros(100, np.uint8)], None)
-    saves.flush()
-    assert written == [b"a"] and saves.dropped_blocks == 0
-    saves.close()
-
-
-def test_a_save_after_close_is_dropped_and_counted_and_flush_does_not_hang(caplog):
-    """Before, it was queued for the ended thread: never written, and the next flush waited forever."""
-    written = []
-    saves = SaveWriter(lambda hashes, payloads, parent: written.extend(hashes))
-    saves.put([b"a"], [np.zeros(8, np.uint8)], None)
-    saves.close()
-    with caplog.at_level("WARNING"):
-        saves.put([b"b", b"c"], [np.zeros(8, np.uint8)] * 2, None)
-        saves.put([b"d"], [np.zeros(8, np.uint8)], None)
-    flushed = threading.Thread(target=saves.flush, daemon=True)
-    flushed.start()
-    flushed.join(5)
-    assert not flushed.is_alive(), "flush after close returned"
-    assert written == [b"a"] and saves.dropped_blocks == 3
-    assert sum("after the connector was closed" in r.getMessage() for r in caplog.records) == 1
-    saves.close()  # again: nothing to do

@@ -232,9 +232,8 @@ def test_a_page_pool_built_from_another_config_is_refused_with_a_connector(v3, t
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_cuda_a_prefix_from_host_then_from_disk_gives_the_cold_tokens(v32, tmp_path):
     """The device-pool path of StoreConnector (loads: pinned rows, non-blocking copies on a
-    stream of their own, a sync per layer; saves: a gather on the engine's stream and an
-    asynchronous copy to pinned memory) and of the store's whole-block reads for disk hits, on a
-    real GPU."""
+    stream of their own, a sync per layer; saves: a gather and an asynchronous copy to pinned
+    memory on a copy stream) and of the store's whole-block reads for disk hits, on a real GPU."""
     model = DeepseekForCausalLM.from_pretrained(v32.directory, dtype=torch.float32, device="cuda")
     prompt = prompt_ids(45, seed=31)
     cold = Engine(model, PagePool(model.config, 32, page_size=P, device="cuda")).generate([prompt], NEW)
