@@ -72,7 +72,8 @@ def measure(blocks: int, repeats: int) -> dict:
     expected = copy_out(SPEC, by_page, pages).payloads
     if not all(np.array_equal(a, b) for a, b in zip(expected, copy_out(SPEC, by_layer, pages).payloads)):
         raise AssertionError("the two copies disagree")
-    runs = {"layer_pages": lambda: copy_out(SPEC, by_layer, pages), "page_by_page": lambda: copy_out(SPEC, by_page, pages),
+    runs = {"layer_pages": lambda: copy_out(SPEC, by_layer, pages),
+            "page_by_page": lambda: copy_out(SPEC, by_page, pages),
             "memcpy": lambda: memcpy_into_fresh_buffers(source, blocks)}
     times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(repeats):

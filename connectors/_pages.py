@@ -1,6 +1,6 @@
-"""What every connector does alike: page bytes in and out of block payloads, the layer-readiness
-handle of a background load, and the background writer of saves (``connectors._copy_out``
-copies a save out of the pages).
+"""What every connector does alike: page bytes into the engine's pages and the layer-readiness
+handle of a background load (``connectors._copy_out`` copies a save out of the pages,
+``connectors._save_writer`` writes it to the store).
 
 A block payload is layer-major (``BlockSpec.layer_range(l)`` is layer ``l``'s byte range); a page
 of the engine's pool holds one layer of one block (``PageBytes.layer_page_bytes``).

@@ -105,10 +105,14 @@ class SaveWriter:
         self.save(hashes, sum(payload.nbytes for payload in payloads), lambda: CopiedOut(payloads), parent)
 
     def wait_copied(self) -> None:
-        """Return once every copy of a save taken so far has finished reading the engine's pages."""
+        """Return once every copy of a save taken so far has finished reading the engine's pages.
+        A copy that failed raises nothing here: the writer counts its save as failed."""
         uncopied, self._uncopied = self._uncopied, []
         for wait in uncopied:
-            wait()
+            try:
+                wait()
+            except Exception:
+                self._log.debug("a save's copy out of the pages failed; the writer drops that save", exc_info=True)
 
     def flush(self) -> None:
         self._queue.join()

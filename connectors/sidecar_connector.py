@@ -22,9 +22,10 @@ How each side maps onto the sidecar's calls (``KVStoreClient``), fast path chose
   layer 0 of the suffix computes while later layers copy, as with ``StoreConnector``). Every other
   layer waits for the slots' lease to be released *successfully* (it was alive through every copy);
   if it expired meanwhile the load fails and the engine recomputes.
-- ``save``: copies the pages out into payloads (``connectors._copy_out``, like ``StoreConnector``), then a
-  background writer hands them over with ``put_shm`` (staging slots in shared memory, verified by
-  the sidecar at commit; ``Put`` where that cannot be used), at most ``max_transfer_blocks`` (and ``max_transfer_bytes``) a call.
+- ``save``: copies the pages out into payloads (``connectors._copy_out``, like
+  ``StoreConnector``), then a background writer hands them over with ``put_shm`` (staging slots
+  in shared memory, verified by the sidecar at commit; ``Put`` where that cannot be used), at
+  most ``max_transfer_blocks`` (and ``max_transfer_bytes``) a call.
 - ``report_prefill``: one ``ReportPrefill`` on a background thread, for the sidecar's metrics.
 
 A sidecar that is down, restarting or refusing never crashes the engine: ``lookup`` returns a
@@ -48,8 +49,8 @@ import grpc
 import numpy as np
 
 from connectors._copy_out import copy_out
-from connectors._pages import (DEFAULT_LOAD_TIMEOUT_S, DEFAULT_LOOKUP_TIMEOUT_S, BackgroundLoad, PageFence, check_lease_ttl,
-                              check_load_timeout, load_targets, queued_engine_work, scatter_layer)
+from connectors._pages import (DEFAULT_LOAD_TIMEOUT_S, DEFAULT_LOOKUP_TIMEOUT_S, BackgroundLoad, PageFence,
+                              check_lease_ttl, check_load_timeout, load_targets, queued_engine_work, scatter_layer)
 from connectors._save_writer import DEFAULT_MAX_PENDING_SAVE_BYTES, SaveWriter
 from connectors.base import ConnectorHit, KVConnector, LoadFailed, LoadHandle, PageBytes
 from connectors.lower_tiers import LowerTiers
