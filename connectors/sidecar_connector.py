@@ -54,6 +54,7 @@ from connectors._pages import (DEFAULT_LOAD_TIMEOUT_S, DEFAULT_LOOKUP_TIMEOUT_S,
 from connectors._save_writer import DEFAULT_MAX_PENDING_SAVE_BYTES, SaveWriter
 from connectors.base import ConnectorHit, KVConnector, LoadFailed, LoadHandle, PageBytes
 from connectors.lower_tiers import LowerTiers
+from connectors.request_leases import RequestLeases
 from connectors.sidecar_session import NOT_ANSWERING, SidecarNotAnswering, SidecarSession, describe
 from connectors.store_connector import DEFAULT_LEASE_TTL_S
 from kvstore.keys import Namespace
@@ -101,8 +102,7 @@ class SidecarConnector(KVConnector):
         self._lower_tiers = LowerTiers([HostTier.name], self.load_timeout_s)  # the sidecar's one memory tier
         self.session = SidecarSession(self.client, namespace, self.target or "",
                                       meanwhile="the engine serves without it (misses)")
-        self._leases: dict[str, int] = {}
-        self._lock = threading.Lock()
+        self._leases = RequestLeases(self.spec.block_size, self._lower_tiers, self._end_lease)
         self._saves = SaveWriter(self._put, "saving blocks to the sidecar failed; they stay uncached", logger=log,
                                  max_pending_bytes=max_pending_save_bytes)
         self._reports = ThreadPoolExecutor(1, thread_name_prefix="kvstore-report")  # off the engine's step
@@ -130,25 +130,15 @@ class SidecarConnector(KVConnector):
                                        timeout_s=self.lookup_timeout_s)
         except Exception as exc:
             self.session.failed("look up", exc)
-            return ConnectorHit(request_id, 0, self.spec.block_size, ())
-        if result.lease_id is not None:
-            with self._lock:
-                self._leases[request_id] = result.lease_id
-        blocks = result.hit_blocks if result.lease_id is not None or not result.hit_blocks else 0
-        usable = self._lower_tiers.usable(result.tiers, blocks)
-        if usable < blocks:  # a read below memory hung lately: do not make this request wait on one
-            blocks = usable
-            if not blocks:
-                self.release(request_id)
-        return ConnectorHit(request_id, blocks, self.spec.block_size, tuple(result.tiers[:blocks]))
+            result = None
+        return self._leases.hit(request_id, result)
 
     # ---- transfer side -----------------------------------------------------------------
 
     def start_load(self, hit: ConnectorHit, block_hashes: Sequence[bytes], pages: Sequence[int],
                    pool: PageBytes) -> LoadHandle:
         hashes, pages = load_targets(hit, block_hashes, pages)
-        with self._lock:
-            lease_id = self._leases.pop(hit.request_id, None)
+        lease_id = self._leases.take(hit.request_id)
         engine_work = queued_engine_work(pool, pages)  # on the engine's thread: its stream's work so far
         reading_below = threading.Event()  # set while the load reads blocks below memory
         abandoned = threading.Event()  # the engine gave up on the load
@@ -269,9 +259,7 @@ class SidecarConnector(KVConnector):
                          parent)
 
     def release(self, request_id: str) -> None:
-        with self._lock:
-            lease_id = self._leases.pop(request_id, None)
-        self._end_lease(lease_id)
+        self._leases.release(request_id)
 
     def flush(self) -> None:
         self._saves.flush()
@@ -284,10 +272,7 @@ class SidecarConnector(KVConnector):
     def close(self) -> None:
         self._saves.close()
         self._reports.shutdown(wait=True)
-        with self._lock:
-            leases, self._leases = list(self._leases.values()), {}
-        for lease_id in leases:
-            self._end_lease(lease_id)
+        self._leases.release_all()
         if self._owns_client:
             self.client.close()
 

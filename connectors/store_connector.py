@@ -34,6 +34,7 @@ from connectors._pages import (DEFAULT_LOAD_TIMEOUT_S, DEFAULT_LOOKUP_TIMEOUT_S,
 from connectors._save_writer import DEFAULT_MAX_PENDING_SAVE_BYTES, SaveWriter
 from connectors.base import ConnectorHit, KVConnector, LoadFailed, LoadHandle, PageBytes
 from connectors.lower_tiers import LowerTiers
+from connectors.request_leases import RequestLeases
 from kvstore.errors import KVStoreError, StoreClosed, UnknownLease
 from kvstore.keys import Namespace
 from kvstore.layout import BlockSpec
@@ -68,14 +69,13 @@ class StoreConnector(KVConnector):
         self.ns_id = store.register_namespace(namespace)
         self.spec = store.spec(self.ns_id)
         self.lease_ttl_s = lease_ttl_s
-        self._leases: dict[str, int] = {}
-        self._lock = threading.Lock()
         self._saves = SaveWriter(lambda hashes, payloads, parent: self.store.put(self.ns_id, hashes, payloads,
                                                                                  parent=parent), logger=log,
                                  max_pending_bytes=max_pending_save_bytes)
         self._lookups_failing = False  # the last lookup raised: warned once, until one answers
         self._store_lock = Backoff(initial_s=1.0, max_s=15.0)  # a lock that stayed held: skip lookups a while
         self._lower_tiers = LowerTiers((tier.name for tier in store.tiers if tier.in_memory), self.load_timeout_s)
+        self._leases = RequestLeases(self.spec.block_size, self._lower_tiers, self._end_lease)
 
     @property
     def layout(self) -> BlockSpec:
@@ -89,19 +89,7 @@ class StoreConnector(KVConnector):
 
     def lookup(self, request_id: str, block_hashes: Sequence[bytes]) -> ConnectorHit:
         self.release(request_id)
-        result = self._store_lookup(block_hashes)
-        if result is None:
-            return ConnectorHit(request_id, 0, self.spec.block_size, ())
-        if result.lease_id is not None:
-            with self._lock:
-                self._leases[request_id] = result.lease_id
-        blocks = result.hit_blocks if result.lease_id is not None or not result.hit_blocks else 0
-        usable = self._lower_tiers.usable(result.tiers, blocks)
-        if usable < blocks:  # a read below memory hung lately: do not make this request wait on one
-            blocks = usable
-            if not blocks:
-                self.release(request_id)
-        return ConnectorHit(request_id, blocks, self.spec.block_size, result.tiers[:blocks])
+        return self._leases.hit(request_id, self._store_lookup(block_hashes))
 
     def _store_lookup(self, block_hashes: Sequence[bytes]) -> LookupResult | None:
         """The store's answer with a lease; None (a miss) while its lock is being skipped or when
@@ -128,8 +116,7 @@ class StoreConnector(KVConnector):
     def start_load(self, hit: ConnectorHit, block_hashes: Sequence[bytes], pages: Sequence[int],
                    pool: PageBytes) -> LoadHandle:
         hashes, pages = load_targets(hit, block_hashes, pages)
-        with self._lock:
-            lease_id = self._leases.pop(hit.request_id, None)
+        lease_id = self._leases.take(hit.request_id)
 
         engine_work = queued_engine_work(pool, pages)  # on the engine's thread: its stream's work so far
         reading_below = threading.Event()  # set while the load reads blocks below memory
@@ -154,10 +141,10 @@ class StoreConnector(KVConnector):
             abandoned.set()
             if reading_below.is_set() and not cancelled:  # stuck below memory past the deadline
                 self._lower_tiers.hung()  # (a cancel there gives no verdict: a probe lapses)
-            self._end_lease(hit.request_id, lease_id)  # the fence is closed: nothing reads the views now
+            self._end_lease(lease_id)  # the fence is closed: nothing reads the views now
 
         return BackgroundLoad(hit.request_id, len(hashes), self.spec.num_layers, copy_layer_major,
-                              lambda: self._end_lease(hit.request_id, lease_id), logger=log,
+                              lambda: self._end_lease(lease_id), logger=log,
                               deadline_s=self.load_timeout_s, on_abandon=given_up, before=engine_work)
 
     def _read_below(self, hashes: list[bytes], reading: threading.Event,
@@ -205,9 +192,7 @@ class StoreConnector(KVConnector):
         super().demote(block_hash, page, pool, parent)
 
     def release(self, request_id: str) -> None:
-        with self._lock:
-            lease_id = self._leases.pop(request_id, None)
-        self._end_lease(request_id, lease_id)
+        self._leases.release(request_id)
 
     def flush(self) -> None:
         self._saves.flush()
@@ -219,10 +204,11 @@ class StoreConnector(KVConnector):
 
     def close(self) -> None:
         self._saves.close()
+        self._leases.release_all()
 
     # ---- internals ---------------------------------------------------------------------
 
-    def _end_lease(self, request_id: str, lease_id: int | None) -> None:
+    def _end_lease(self, lease_id: int | None) -> None:
         """End ``lease_id`` if there is one; never raises for the store (its TTL ends what this cannot)."""
         if lease_id is None:
             return
