@@ -7,33 +7,34 @@ reuse a saved page before the save has read it. ``copy_out`` returns a ``CopiedO
 - **host pages** (CPU tensors): each block's layers are copied into page-aligned payloads before
   ``copy_out`` returns (memory copies; the disk tier writes such a payload with no further copy),
   a layer of all the pages at a time through the pool's ``layer_pages`` where it has one.
-- **CUDA pages**: a copy stream of the connector's, made to wait for the engine thread's
-  current stream (the kernels that computed the pages), gathers the blocks on the device and
-  copies them to pinned host memory, ``SAVE_CHUNK_BYTES`` at a time: device memory for one or
-  two chunks, never a whole long prompt's KV. Nothing waits on the engine's thread, and its
-  kernels do not wait for the copy. The engine waits (``KVConnector.wait_copied``) only before
-  it reuses saved pages: when it frees a finished request's (long after, as a rule) or demotes
-  an evicted one. Before session 31 every layer of every block was a synchronous device-to-host
-  copy on the engine's thread. Untested on a GPU: no GPU was lent to the session that wrote it;
-  ``gather_on_device`` is exercised here on the CPU.
+- **CUDA pages**: the process's save stream (``side_stream``), made to wait for the engine
+  thread's current stream (the kernels that computed the pages), gathers the blocks on the
+  device and copies them to pinned host memory, ``SAVE_CHUNK_BYTES`` at a time: device memory
+  for one or two chunks, never a whole long prompt's KV. The pinned payloads live until the
+  store has the save: bounded by the writer's ``max_pending_save_bytes`` (a single larger save
+  is let in). Nothing waits on the engine's thread, and its kernels do not wait for the copy.
+  The engine waits (``KVConnector.wait_copied``) only before it reuses saved pages: when it
+  frees a finished request's (long after, as a rule) or demotes an evicted one. Before session
+  31 every layer of every block was a synchronous device-to-host copy on the engine's thread.
+  Untested on a GPU: no GPU was lent to the session that wrote it; ``gather_on_device`` is
+  exercised here on the CPU.
 """
 
 from __future__ import annotations
 
-import threading
 from typing import Sequence
 
 import numpy as np
 import torch
 
-from connectors._pages import host_pages, page_index
+from connectors._pages import host_pages, page_index, side_stream
 from connectors._save_writer import CopiedOut
 from connectors.base import PageBytes
 from kvstore.buffers import aligned_empty
 from kvstore.layout import BlockSpec
 
 PAGE_ALIGN = 4096
-SAVE_CHUNK_BYTES = 256 << 20  # device and pinned memory a CUDA save's copy takes at a time
+SAVE_CHUNK_BYTES = 256 << 20  # device memory a CUDA save's gather takes at a time
 
 
 def copy_out(spec: BlockSpec, pool: PageBytes, pages: Sequence[int]) -> CopiedOut:
@@ -78,7 +79,7 @@ def gather_on_device(spec: BlockSpec, pool: PageBytes, pages: Sequence[int]) -> 
 
 def _copy_out_of_cuda(spec: BlockSpec, pool: PageBytes, pages: Sequence[int], device: torch.device) -> CopiedOut:
     """``copy_out`` for CUDA pages (module docstring). Untested on a GPU."""
-    copier = _copy_stream(device)
+    copier = side_stream(device, "save")  # one for the process: a save's event also covers those before it
     copier.wait_stream(torch.cuda.current_stream(device))  # after the kernels that computed the pages
     per_chunk = max(1, SAVE_CHUNK_BYTES // spec.block_bytes)
     payloads: list[np.ndarray] = []
@@ -91,16 +92,3 @@ def _copy_out_of_cuda(spec: BlockSpec, pool: PageBytes, pages: Sequence[int], de
     copied = torch.cuda.Event()
     copied.record(copier)
     return CopiedOut(payloads, copied.synchronize)
-
-
-_copy_streams: dict[torch.device, torch.cuda.Stream] = {}
-_copy_streams_lock = threading.Lock()
-
-
-def _copy_stream(device: torch.device) -> torch.cuda.Stream:
-    """The saves' copy stream on ``device`` (one for the process: each save's event then also
-    covers the saves before it)."""
-    with _copy_streams_lock:
-        if device not in _copy_streams:
-            _copy_streams[device] = torch.cuda.Stream(device)
-        return _copy_streams[device]

@@ -43,8 +43,12 @@ def check_lease_ttl(seconds: float) -> float:
 
 
 def host_view(t: torch.Tensor) -> np.ndarray:
-    """Flat uint8 numpy view of a CPU tensor."""
-    return t.reshape(-1).view(torch.uint8).numpy()
+    """Flat uint8 numpy view of a contiguous CPU tensor (a copy of a strided one would take the
+    writes meant for the pool's pages)."""
+    if not t.is_contiguous():
+        raise ValueError(f"page bytes must be contiguous to be copied in place, got strides {t.stride()} for "
+                         f"shape {tuple(t.shape)}: layer_page_bytes must return a view of the pool's memory")
+    return t.view(-1).view(torch.uint8).numpy()
 
 
 def load_targets(hit, block_hashes: Sequence[bytes], pages: Sequence[int]) -> tuple[list[bytes], list[int]]:
@@ -79,7 +83,10 @@ def scatter_layer(spec: BlockSpec, pool: PageBytes, layer: int, pages: Sequence[
     """Write layer ``layer`` of ``payloads[i]`` into page ``pages[i]``; returns once every copy has
     landed, so the engine may read the layer and a load's fence may open. Host pages: numpy
     copies (torch's ``copy_`` on a load's thread is ~9x slower: intra-op threads). CUDA pages:
-    ``_scatter_to_cuda``."""
+    ``_scatter_to_cuda``. Raises ``ValueError`` unless there is one payload a page."""
+    if len(pages) != len(payloads):
+        raise ValueError(f"{len(payloads)} payloads for {len(pages)} pages: a page without its payload would keep "
+                         "stale bytes")
     if not pages:
         return
     offset, size = spec.layer_range(layer)
@@ -102,7 +109,7 @@ def _scatter_to_cuda(pool: PageBytes, layer: int, pages: Sequence[int], slices: 
     rows = torch.empty((len(pages), slices[0].nbytes), dtype=torch.uint8, pin_memory=True)  # [n, layer_bytes]
     for row, piece in zip(rows.numpy(), slices):
         row[:] = piece
-    copier = torch.cuda.Stream(device)  # from torch's pool of streams: cheap to ask for
+    copier = side_stream(device, "load")
     with torch.cuda.stream(copier):
         layer_pages = getattr(pool, "layer_pages", None)
         if layer_pages is not None:  # one copy and one kernel for the whole layer
@@ -110,9 +117,26 @@ def _scatter_to_cuda(pool: PageBytes, layer: int, pages: Sequence[int], slices: 
         else:
             for page, row in zip(pages, rows):
                 pool.layer_page_bytes(layer, page).copy_(row, non_blocking=True)
-    landed = torch.cuda.Event()  # waits for these copies, not for later work of a stream the pool hands out again
+    landed = torch.cuda.Event()  # waits for these copies (and earlier loads'), not for later work on the stream
     landed.record(copier)
     landed.synchronize()
+
+
+_SIDE_STREAM_PRIORITY = {"load": -1, "save": 0}  # lower is sooner: a load holds up a prefill, a save nothing
+_side_streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
+_side_streams_lock = threading.Lock()
+
+
+def side_stream(device: torch.device, role: str) -> torch.cuda.Stream:
+    """The process's one stream for ``role`` ("load" or "save") on ``device``, made once: a stream
+    asked of torch per copy comes round-robin out of a small pool, so loads would now and then
+    queue on the saves' stream, behind up to a gigabyte of device-to-host copies. Loads get the
+    higher priority. Untested on a GPU."""
+    with _side_streams_lock:
+        key = (device, role)
+        if key not in _side_streams:
+            _side_streams[key] = torch.cuda.Stream(device, priority=_SIDE_STREAM_PRIORITY[role])
+        return _side_streams[key]
 
 
 def queued_engine_work(pool: PageBytes, pages: Sequence[int]) -> Callable[[], None] | None:

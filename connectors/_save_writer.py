@@ -20,6 +20,11 @@ log = logging.getLogger("connectors")
 DEFAULT_MAX_PENDING_SAVE_BYTES = 1 << 30  # saves copied out of the engine's pages, not yet in the store
 
 
+class SaveDropped(Exception):
+    """Raised by a write that dropped its save and has said why itself (a sidecar not answering):
+    counted as a failed save, logged at debug level only."""
+
+
 def _nothing_to_wait_for() -> None:
     return None
 
@@ -119,9 +124,11 @@ class SaveWriter:
 
     def close(self) -> None:
         with self._pending_lock:
-            if self._closed:
-                return
+            closing = self._closed
             self._closed = True
+        if closing:  # closed, or being closed on another thread: return once that is done
+            self._thread.join()
+            return
         self.flush()
         self._queue.put(None)
         self._thread.join()
@@ -161,21 +168,25 @@ class SaveWriter:
                 finally:
                     with self._pending_lock:
                         self._pending_bytes -= nbytes
-                if self._failing:
-                    self._log.info("saving works again; %d saves failed meanwhile", self._failing)
-                    self._failing = 0
+                with self._pending_lock:
+                    if self._failing:
+                        self._log.info("saving works again; %d saves failed meanwhile", self._failing)
+                        self._failing = 0
+            except SaveDropped:
+                with self._pending_lock:
+                    self._failed(reported=True)
             except Exception:
                 with self._pending_lock:
                     self._failed()
             finally:
                 self._queue.task_done()
 
-    def _failed(self) -> None:
+    def _failed(self, reported: bool = False) -> None:
         """Count a save that raised (called in its ``except``, holding ``_pending_lock``): a
-        traceback for the first of a run."""
+        traceback for the first of a run, unless the write ``reported`` the failure itself."""
         self.failed_saves += 1
         self._failing += 1
-        if self._failing == 1:
+        if self._failing == 1 and not reported:
             self._log.exception("%s (further failures are logged at debug level until a save succeeds)",
                                 self._failed_message)
         else:

@@ -51,7 +51,7 @@ import numpy as np
 from connectors._copy_out import copy_out
 from connectors._pages import (DEFAULT_LOAD_TIMEOUT_S, DEFAULT_LOOKUP_TIMEOUT_S, BackgroundLoad, PageFence,
                               check_lease_ttl, check_load_timeout, load_targets, queued_engine_work, scatter_layer)
-from connectors._save_writer import DEFAULT_MAX_PENDING_SAVE_BYTES, SaveWriter
+from connectors._save_writer import DEFAULT_MAX_PENDING_SAVE_BYTES, SaveDropped, SaveWriter
 from connectors.base import ConnectorHit, KVConnector, LoadFailed, LoadHandle, PageBytes
 from connectors.lower_tiers import LowerTiers
 from connectors.request_leases import RequestLeases
@@ -153,7 +153,7 @@ class SidecarConnector(KVConnector):
                     self._scatter_layers(pool, pages, in_memory, fence, layer_done, self._proven_until(asked))
                     done = len(in_memory)
                 else:
-                    self._scatter(pool, pages, in_memory, fence)
+                    self._scatter(pool, pages[: len(in_memory)], in_memory, fence)
                     done = len(in_memory) or self._stream_into(pool, pages, grant, fence)  # another host: the data plane
                     below = self._lower_tiers.below_memory(hit.tiers[done : len(hashes)])
                     self._fetch_into(pool, hashes[done:], pages[done:], fence, reading_below if below else None,
@@ -283,7 +283,8 @@ class SidecarConnector(KVConnector):
     # ---- internals ---------------------------------------------------------------------
 
     def _put(self, hashes: list[bytes], payloads: list[np.ndarray], parent: bytes | None) -> None:
-        """A save's blocks, batch by batch; a sidecar not answering drops them (logged once per outage)."""
+        """A save's blocks, batch by batch. A sidecar not answering drops the rest of them
+        (``SaveDropped``: the writer counts a failed save; the session logs the outage once)."""
         for start in range(0, len(hashes), self._batch):
             batch = slice(start, start + self._batch)
             batch_parent = parent if start == 0 else hashes[start - 1]
@@ -294,7 +295,8 @@ class SidecarConnector(KVConnector):
                 if isinstance(exc, grpc.RpcError) and exc.code() not in NOT_ANSWERING:
                     raise
                 self.session.failed("save", exc)
-                return
+                raise SaveDropped(f"the sidecar did not answer; {len(hashes) - start} blocks of the save dropped") \
+                    from exc
 
     def _end_lease(self, lease_id: int | None) -> None:
         if lease_id is None:

@@ -10,8 +10,11 @@ import types
 import pytest
 import torch
 
-from connectors._pages import BackgroundLoad, LoadAbandoned, PageFence, queued_engine_work
+import numpy as np
+
+from connectors._pages import BackgroundLoad, LoadAbandoned, PageFence, queued_engine_work, scatter_layer
 from connectors.base import LoadFailed
+from tests.connectors.test_copy_out import SPEC, BytePool, expected_payload
 from tests.kvstore.store_helpers import until
 
 LAYERS = 3
@@ -279,3 +282,30 @@ def test_wait_alone_ends_at_the_deadline_for_a_hung_load():
     assert handle.wait() == 0
     assert 0.27 <= time.monotonic() - started < 5
     unstick.set()
+
+
+def test_scatter_layer_writes_layer_l_of_each_payload_into_its_page():
+    source, target, pages = BytePool(4), BytePool(4), [3, 0]
+    payloads = [expected_payload(source, page) for page in (1, 2)]
+    for layer in range(SPEC.num_layers):
+        scatter_layer(SPEC, target, layer, pages, payloads)
+    assert np.array_equal(expected_payload(target, 3), payloads[0])
+    assert np.array_equal(expected_payload(target, 0), payloads[1])
+
+
+def test_scatter_layer_refuses_a_page_without_its_payload():
+    """A sidecar load whose blocks were not all mapped passed every page: on CUDA the pinned rows
+    past the payloads were copied in uninitialised."""
+    pool = BytePool(3)
+    before = expected_payload(pool, 2)
+    with pytest.raises(ValueError, match="1 payloads for 2 pages"):
+        scatter_layer(SPEC, pool, 0, [1, 2], [np.zeros(SPEC.block_bytes, np.uint8)])
+    assert np.array_equal(expected_payload(pool, 2), before)
+
+
+def test_scatter_layer_refuses_page_bytes_it_cannot_write_in_place():
+    """A strided view would be copied, and the load's bytes would land in the copy."""
+    columns = torch.zeros(SPEC.layer_bytes, 2, dtype=torch.uint8)  # page p is column p: strided
+    pool = types.SimpleNamespace(layer_page_bytes=lambda layer, page: columns[:, page])
+    with pytest.raises(ValueError, match="contiguous"):
+        scatter_layer(SPEC, pool, 0, [1], [np.ones(SPEC.block_bytes, np.uint8)])

@@ -9,7 +9,8 @@ import time
 
 import numpy as np
 
-from connectors._save_writer import CopiedOut, SaveWriter
+from connectors._save_writer import CopiedOut, SaveDropped, SaveWriter
+from tests.kvstore.store_helpers import until
 
 
 def test_a_save_is_stored_only_once_its_copy_is_done():
@@ -157,3 +158,47 @@ def test_a_save_after_close_is_dropped_and_counted_and_flush_does_not_hang(caplo
     assert written == [b"a"] and saves.dropped_blocks == 3
     assert sum("after the connector was closed" in r.getMessage() for r in caplog.records) == 1
     saves.close()  # again: nothing to do
+
+
+def test_a_save_the_write_dropped_and_reported_is_counted_without_a_traceback(caplog):
+    """A sidecar not answering: its session warns once; before, such saves counted as written."""
+    down = [True]
+
+    def write(hashes, payloads, parent):
+        if down[0]:
+            raise SaveDropped("the sidecar did not answer")
+
+    saves = SaveWriter(write)
+    with caplog.at_level(logging.DEBUG, logger="connectors"):
+        for i in range(3):
+            saves.put([bytes([i])], [np.zeros(8, np.uint8)], None)
+        saves.flush()
+        down[0] = False
+        saves.put([b"x"], [np.zeros(8, np.uint8)], None)
+        saves.flush()
+    assert saves.failed_saves == 3
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], "the write said why already"
+    assert any("saving works again; 3 saves failed meanwhile" in r.getMessage() for r in caplog.records)
+    saves.close()
+
+
+def test_a_second_close_returns_only_once_the_first_has_written_everything():
+    release, written = threading.Event(), []
+
+    def write(hashes, payloads, parent):
+        release.wait(10)
+        written.extend(hashes)
+
+    saves = SaveWriter(write)
+    saves.put([b"a"], [np.zeros(8, np.uint8)], None)
+    first = threading.Thread(target=saves.close)
+    first.start()
+    assert until(lambda: saves._closed)
+    second = threading.Thread(target=saves.close)
+    second.start()
+    second.join(0.2)
+    assert second.is_alive(), "the second close waits for the first"
+    release.set()
+    first.join(5)
+    second.join(5)
+    assert not second.is_alive() and written == [b"a"]

@@ -146,7 +146,9 @@ def test_a_sidecar_that_is_down_is_a_miss_and_a_failed_load_never_an_exception(c
         assert connector.lookup("a", hashes).blocks == 0
         connector.save("a", hashes[:2], [0, 1], BytePool(2, seed=3), parent=None)
         connector.flush()  # logged and dropped
-        handle = connector.start_load(ConnectorHit("a", 2, NS.block_size, ("host", "host")), hashes, [0, 1], BytePool(2))
+        assert connector._saves.failed_saves == 1, "a save the sidecar never got is a failed save, not a success"
+        handle = connector.start_load(ConnectorHit("a", 2, NS.block_size, ("host", "host")), hashes, [0, 1],
+                                      BytePool(2))
         with pytest.raises(LoadFailed):
             handle.wait_layer(0)
         assert handle.wait() == 0
