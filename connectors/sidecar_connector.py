@@ -283,20 +283,24 @@ class SidecarConnector(KVConnector):
     # ---- internals ---------------------------------------------------------------------
 
     def _put(self, hashes: list[bytes], payloads: list[np.ndarray], parent: bytes | None) -> None:
-        """A save's blocks, batch by batch. A sidecar not answering drops the rest of them
-        (``SaveDropped``: the writer counts a failed save; the session logs the outage once)."""
+        """A save's blocks, batch by batch, until a batch has blocks the store rejected (no room:
+        the blocks after them would hang under a missing parent, which no lookup reaches). A
+        sidecar not answering drops the rest of them (``SaveDropped``: the writer counts a failed
+        save; the session logs the outage once)."""
         for start in range(0, len(hashes), self._batch):
             batch = slice(start, start + self._batch)
             batch_parent = parent if start == 0 else hashes[start - 1]
             try:
-                self.session.call(partial(self.client.put_shm, self.ns_id, hashes[batch], payloads[batch],
-                                          parent=batch_parent))
+                result = self.session.call(partial(self.client.put_shm, self.ns_id, hashes[batch], payloads[batch],
+                                                   parent=batch_parent))
             except (grpc.RpcError, SidecarNotAnswering) as exc:
                 if isinstance(exc, grpc.RpcError) and exc.code() not in NOT_ANSWERING:
                     raise
                 self.session.failed("save", exc)
                 raise SaveDropped(f"the sidecar did not answer; {len(hashes) - start} blocks of the save dropped") \
                     from exc
+            if result.rejected:
+                return
 
     def _end_lease(self, lease_id: int | None) -> None:
         if lease_id is None:

@@ -139,6 +139,27 @@ def test_long_saves_and_loads_are_split_at_the_transfer_limit(make_store, sideca
     assert store.stats().leases_active == 0
 
 
+def test_a_save_stops_at_the_first_batch_the_store_rejects(make_store, sidecars, connectors):
+    """Rejected blocks are not stored: before, the next batches were sent under them, stored
+    (room made meanwhile) below a missing parent, where no lookup reaches them."""
+    limits = ServiceLimits(max_transfer_blocks=4)
+    store = make_store(host_bytes=2 * (64 << 10), disk_bytes=None)  # room for 6 blocks (3 a page)
+    sidecar = sidecars(store, limits=limits)
+    producer = connectors(sidecar.target, NS, limits=limits)
+    pinned = namespace_hashes(NS, np.arange(100, 108))  # 2 blocks, leased below
+    producer.save("p", pinned, [0, 1], BytePool(2, seed=1), parent=None)
+    producer.flush()
+    assert producer.lookup("pin", pinned).blocks == 2
+    puts = store.stats().puts
+    producer.save("a", namespace_hashes(NS, np.arange(4 * 10)), range(10), BytePool(10, seed=2), parent=None)
+    producer.flush()
+    # the first batch of 4 fills the room; the second is rejected (a parent is never evicted to
+    # make room for its child); the third is not sent
+    assert store.stats().rejected_blocks == 4
+    assert store.stats().puts == puts + 2, "the batches after a rejected one are not sent"
+    producer.release("pin")
+
+
 def test_a_sidecar_that_is_down_is_a_miss_and_a_failed_load_never_an_exception(connectors, hashes, caplog):
     with caplog.at_level(logging.WARNING):
         connector = connectors(unused_address(), NS, timeout_s=5)
