@@ -21,6 +21,7 @@ import grpc
 
 from connectors.backoff import Backoff
 from kvstore.keys import Namespace
+from kvstore.layout import BlockSpec
 from kvstore.service.client import KVStoreClient
 
 log = logging.getLogger(__name__)
@@ -34,13 +35,16 @@ class SidecarNotAnswering(RuntimeError):
 
 class SidecarSession:
     """``meanwhile`` finishes the warning logged when the sidecar stops answering (what the caller
-    does without it, e.g. "LMCache sees misses")."""
+    does without it, e.g. "LMCache sees misses"). ``spec``: the caller's layout of the namespace's
+    blocks (None: ``BlockSpec.of(namespace)``), which the sidecar's must equal."""
 
     def __init__(self, client: KVStoreClient, namespace: Namespace, target: str,
-                 meanwhile: str = "callers see misses", backoff: Backoff | None = None):
+                 meanwhile: str = "callers see misses", backoff: Backoff | None = None,
+                 spec: BlockSpec | None = None):
         self.client = client
         self.namespace = namespace
         self.ns_id = namespace.id  # the sidecar's id of a namespace is its content hash
+        self.spec = spec or BlockSpec.of(namespace)
         self.target = target
         self.meanwhile = meanwhile
         self.backoff = backoff or Backoff()
@@ -73,11 +77,21 @@ class SidecarSession:
         return result
 
     def register(self, timeout_s: float | None = None) -> None:
-        """Register the namespace now (idempotent on the sidecar); raises what the call raises."""
-        ns_id = self.client.register_namespace(self.namespace, timeout_s)
-        if ns_id != self.ns_id:
-            raise RuntimeError(f"the sidecar registered {self.namespace.model} as {ns_id.hex()}, "
+        """Register the namespace now (idempotent on the sidecar); raises what the call raises, and
+        ``RuntimeError`` when the sidecar names or lays out its blocks otherwise than this side
+        (a client and a sidecar of different versions): the namespace stays unregistered, so every
+        call that needs it fails (a miss) rather than move blocks of another layout."""
+        registration = self.client.register(self.namespace, timeout_s)
+        if registration.namespace_id != self.ns_id:
+            raise RuntimeError(f"the sidecar registered {self.namespace.model} as {registration.namespace_id.hex()}, "
                                f"expected {self.ns_id.hex()}: it fingerprints namespaces differently")
+        if not registration.matches(self.spec):
+            raise RuntimeError(
+                f"the sidecar lays out blocks of {self.namespace.model} as {registration.num_layers} layers of "
+                f"{registration.layer_bytes} bytes ({registration.block_bytes} bytes, {registration.block_size} "
+                f"tokens a block), this side as {self.spec.num_layers} layers of {self.spec.layer_bytes} bytes "
+                f"({self.spec.block_bytes} bytes, {self.spec.block_size} tokens): the client and the sidecar are "
+                "of different versions; run the same kvstore release on both")
         self._registered = True
 
     def failed(self, what: str, exc: Exception) -> None:

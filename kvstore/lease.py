@@ -8,7 +8,7 @@ store around its own in-flight copies. This module knows keys and clocks, nothin
 from __future__ import annotations
 
 import heapq
-import itertools
+import secrets
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -43,7 +43,6 @@ class LeaseTable:
         self._pins: Counter[bytes] = Counter()
         self._leases: dict[int, Lease] = {}
         self._deadlines: list[tuple[float, int]] = []  # min-heap of (expires_at, lease id), stale ones too
-        self._ids = itertools.count(1)
         self.expired_total = 0
 
     def __len__(self) -> int:
@@ -78,7 +77,7 @@ class LeaseTable:
         keys = tuple(keys)
         if len(self._leases) >= self.max_leases or self._leased_blocks + len(keys) > self.max_leased_blocks:
             return None
-        lease = Lease(next(self._ids), keys, self._clock() + ttl_s)
+        lease = Lease(self._new_id(), keys, self._clock() + ttl_s)
         self._leased_blocks += len(keys)
         self._leases[lease.id] = lease
         heapq.heappush(self._deadlines, (lease.expires_at, lease.id))
@@ -87,6 +86,15 @@ class LeaseTable:
             heapq.heapify(self._deadlines)
         self.pin(lease.keys)
         return lease
+
+    def _new_id(self) -> int:
+        """A random 63-bit id, never 0, unlike every live lease's. Unguessable: clients the sidecar
+        cannot tell apart (one unix socket, no ``kvstore-client`` metadata) cannot end each other's
+        leases by guessing, and an id kept from before a restart names no lease of the new process."""
+        while True:
+            lease_id = secrets.randbits(63)
+            if lease_id and lease_id not in self._leases:
+                return lease_id
 
     def release(self, lease_id: int) -> bool:
         """End a lease; False when it is unknown (never issued, released, or expired)."""
@@ -103,7 +111,9 @@ class LeaseTable:
         expired = 0
         while self._deadlines and self._deadlines[0][0] <= now:
             _, lease_id = heapq.heappop(self._deadlines)
-            expired += self.release(lease_id)  # False: released before its deadline
+            lease = self._leases.get(lease_id)  # None, or a later lease given the id: released before its deadline
+            if lease is not None and lease.expires_at <= now:
+                expired += self.release(lease_id)
         self.expired_total += expired
         return expired
 

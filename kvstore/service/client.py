@@ -109,8 +109,14 @@ class KVStoreClient:
     def register_namespace(self, namespace: Namespace, timeout_s: float | None = None) -> bytes:
         """Make ``namespace`` usable on the server; idempotent. Returns its 16-byte id.
         ``timeout_s`` bounds this call instead of the client's timeout."""
+        return self.register(namespace, timeout_s).namespace_id
+
+    def register(self, namespace: Namespace, timeout_s: float | None = None) -> wire.Registration:
+        """``register_namespace``, answering the block layout the server gives the namespace too:
+        check it against your ``BlockSpec`` (``Registration.matches``), for a server of another
+        version may lay blocks out differently."""
         request = pb.RegisterNamespaceRequest(canonical_json=namespace.canonical_json())
-        return self._stub.RegisterNamespace(request, timeout=timeout_s or self._timeout).namespace_id
+        return wire.registration_from_proto(self._stub.RegisterNamespace(request, timeout=timeout_s or self._timeout))
 
     def lookup(self, ns_id: bytes, block_hashes: Sequence[bytes], lease_ttl_s: float | None = None,
                timeout_s: float | None = None) -> LookupResult:
@@ -124,28 +130,30 @@ class KVStoreClient:
         """Copy whole blocks, in order, into ``dsts`` (one writable buffer of the block size each).
 
         Stops at the first block the server cannot serve: buffers ``[0, loaded_blocks)`` hold the
-        blocks, the rest are untouched. Ends ``lease_id`` once the server has the call.
+        blocks, the rest are untouched. Ends ``lease_id`` once the server has the call. Raises
+        ``InvalidRequest`` for a stream that does not fill the buffers as asked (headers that
+        disagree with the call: a sidecar of another version), never a result that says it did.
         """
         if len(dsts) != len(block_hashes):
             raise InvalidRequest(f"{len(block_hashes)} block hashes but {len(dsts)} destination buffers")
         views = [byte_view(d, writable=True) for d in dsts]
+        block_bytes = _one_size(views, "destination buffers")
         request = pb.GetRequest(namespace_id=ns_id, block_hashes=block_hashes, lease_id=lease_id,
-                                block_bytes=_one_size(views, "destination buffers"), stream_as_loaded=True)
+                                block_bytes=block_bytes, stream_as_loaded=True)
         stream = self._get_raw(request, timeout=self._timeout)
-        header = pb.GetResponse.FromString(next(stream)).header
-        assembler = BlockAssembler(len(header.tiers), header.block_bytes, self._limits.max_chunk_bytes,
-                                   buffers=views, what="Get stream")
-        tiers = list(header.tiers)
+        tiers = list(_checked_header(next(stream, None), len(views), block_bytes, 0).tiers)
+        assembler = BlockAssembler(len(tiers), block_bytes, self._limits.max_chunk_bytes, buffers=views,
+                                   what="Get stream")
         for message in stream:  # a header per group of blocks, each followed by their chunks
             chunk = decode_chunk(message)
             if chunk is None:
-                more = pb.GetResponse.FromString(message).header.tiers
+                more = _checked_header(message, len(views), block_bytes, len(tiers)).tiers
                 assembler.extend(len(more))
                 tiers += more
                 continue
             assembler.add(*chunk)
         assembler.finish()
-        return LoadResult(len(block_hashes), tuple(tiers), len(tiers) * header.block_bytes)
+        return LoadResult(len(block_hashes), tuple(tiers), len(tiers) * block_bytes)
 
     def get_slots(self, ns_id: bytes, block_hashes: Sequence[bytes], lease_ttl_s: float = 30.0) -> SlotGrant:
         """Lease the hit and locate its leading host-tier blocks; the caller must ``release`` the lease."""
@@ -349,9 +357,10 @@ class KVStoreClient:
 
 
 class _DataPlaneLink:
-    """Channels to the data planes of the sidecar behind ``target`` (one per advertised port), and
-    a pause of ``RETRY_AFTER_S`` in using a port once it could not be reached (a firewalled port,
-    a restarting sidecar): Get carries the blocks meanwhile."""
+    """The channel to the data plane of the sidecar behind ``target``, at the port its latest grant
+    names (a restarted sidecar binds a new one: the old port's channel is closed then), and a
+    pause of ``RETRY_AFTER_S`` in using a port once it could not be reached (a firewalled port, a
+    restarting sidecar): Get carries the blocks meanwhile."""
 
     RETRY_AFTER_S = 30.0
 
@@ -378,7 +387,7 @@ class _DataPlaneLink:
                     self._retry_at[grant.data_port] = time.monotonic() + self.RETRY_AFTER_S
                     stale = self._clients.pop(grant.data_port, None) if exc.code == dataplane.NOT_CONNECTED else None
                 if stale is not None:  # the next try gets a fresh channel, not one still backing off its reconnects
-                    threading.Thread(target=stale.close, name="kvstore-dataplane-close", daemon=True).start()
+                    _close_in_background([stale])
                 log.warning("the sidecar's data plane at %s cannot be reached (%s): Get carries the blocks for "
                             "the next %.0f s", client.target, exc, self.RETRY_AFTER_S)
             else:
@@ -387,16 +396,26 @@ class _DataPlaneLink:
         return True
 
     def _client(self, port: int) -> dataplane.DataPlaneClient | None:
-        """The client of ``port``; None while it is paused or after ``close``."""
+        """The client of ``port``, the data port of the latest grant; those of other ports (a
+        restarted sidecar's predecessor's) are closed. None while ``port`` is paused or after ``close``."""
         with self._lock:
-            if self._closed or time.monotonic() < self._retry_at.get(port, 0.0):
+            if self._closed:
                 return None
-            if port not in self._clients:
-                root_certificates, token, client_id = self._credentials
-                self._clients[port] = dataplane.DataPlaneClient(f"{self._host}:{port}", token=token,
-                                                                root_certificates=root_certificates,
-                                                                client_id=client_id, streams=self._streams)
-            return self._clients[port]
+            stale = [client for p, client in self._clients.items() if p != port]
+            self._clients = {p: client for p, client in self._clients.items() if p == port}
+            self._retry_at = {p: t for p, t in self._retry_at.items() if p == port}
+            client = None if time.monotonic() < self._retry_at.get(port, 0.0) else self._open(port)
+        _close_in_background(stale)
+        return client
+
+    def _open(self, port: int) -> dataplane.DataPlaneClient:
+        """The client of ``port``, opened on first use; caller holds ``_lock``."""
+        if port not in self._clients:
+            root_certificates, token, client_id = self._credentials
+            self._clients[port] = dataplane.DataPlaneClient(f"{self._host}:{port}", token=token,
+                                                            root_certificates=root_certificates,
+                                                            client_id=client_id, streams=self._streams)
+        return self._clients[port]
 
     def close(self) -> None:
         with self._lock:
@@ -406,6 +425,17 @@ class _DataPlaneLink:
 
 
 _UNAVAILABLE, _DEADLINE_EXCEEDED = grpc.StatusCode.UNAVAILABLE.value[0], grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+
+
+def _close_in_background(clients: list[dataplane.DataPlaneClient]) -> None:
+    """Close ``clients`` on a thread of their own: ``close`` waits for the reads still using them."""
+    if clients:
+        threading.Thread(target=_close_all, args=(clients,), name="kvstore-dataplane-close", daemon=True).start()
+
+
+def _close_all(clients: list[dataplane.DataPlaneClient]) -> None:
+    for client in clients:
+        client.close()
 
 
 def data_plane_host(target: str) -> str:
@@ -440,6 +470,24 @@ def _verified_run(grant: SlotGrant, views: Sequence, first: int, count: int) -> 
         if not layers_match(views[i], grant.slots[i].layer_checksums):
             return i - first
     return count
+
+
+def _checked_header(message: bytes | None, requested: int, block_bytes: int, announced: int) -> pb.GetHeader:
+    """The ``GetHeader`` in ``message``, a Get stream's first message or one after a group's chunks,
+    checked against the call: ``requested`` blocks of ``block_bytes`` (the caller's buffers), of
+    which earlier headers announced ``announced``. ``InvalidRequest`` names what disagrees."""
+    response = pb.GetResponse.FromString(message) if message is not None else None
+    if response is None or not response.HasField("header"):
+        raise InvalidRequest("Get stream: the sidecar's answer did not start with a GetHeader")
+    header = response.header
+    if header.requested_blocks != requested or (requested and header.block_bytes != block_bytes):
+        raise InvalidRequest(f"Get stream: the sidecar announced {header.requested_blocks} blocks of "
+                             f"{header.block_bytes} bytes for a call of {requested} blocks of {block_bytes} bytes; "
+                             "are the client and the sidecar of different versions?")
+    if announced + len(header.tiers) > requested:
+        raise InvalidRequest(f"Get stream: the sidecar announced {announced + len(header.tiers)} blocks for a "
+                             f"call of {requested}")
+    return header
 
 
 def _one_size(views, what: str) -> int:

@@ -6,9 +6,10 @@
     1. health turns NOT_SERVING, /healthz answers 503 (load balancers and probes stop sending work)
     2. the server and the native data plane stop taking calls; in-flight calls and streams get
        ``shutdown_grace_s`` to finish
-    3. worker threads still copying for a call are waited for
-    4. the store closes: background writes drain and every tier flushes (the disk tier's index
-       and segments are durable, so the next start serves what was put)
+    3. worker threads still copying for a call are waited for: the event loop's, then the
+       transfer threads of Get, Put and CommitSlots (for at most ``TRANSFER_WAIT_S``, then logged)
+    4. the staging area closes, then the store: background writes drain and every tier flushes
+       (the disk tier's index and segments are durable, so the next start serves what was put)
 
 Beside the KVStore service: the standard health service (grpc.health.v1, "" and
 "kvstore.v1.KVStore") and server reflection (so grpcurl and friends need no .proto). Beside the
@@ -47,6 +48,7 @@ from kvstore.service.metrics import ServiceMetrics
 from kvstore.service.servicer import SERVICE_NAME, KVStoreServicer, add_to_server
 from kvstore.service.shm import host_tier
 from kvstore.service.staging import StagingArea, open_staging
+from kvstore.service.transfer_threads import TransferThreads
 from kvstore.store import TieredStore
 from kvstore.tiers.shm_segment import remove_stale_segments
 
@@ -63,21 +65,27 @@ KEEPALIVE_OPTIONS = [
     ("grpc.http2.max_pings_without_data", 0),  # keep pinging while no data flows: 0 is no cap
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
 ]
+# At shutdown, how long Get/Put/CommitSlots store calls still running (their calls ended) are waited
+# for before the staging area and the store close under them: a copy takes well under this, a
+# call still running after it is hung on its disk.
+TRANSFER_WAIT_S = 10.0
 
 
 async def create_server(address: str, store: TieredStore, limits: ServiceLimits = ServiceLimits(),
                         health: health_aio.HealthServicer | None = None, *, metrics: ServiceMetrics | None = None,
                         staging: StagingArea | None = None, durable_puts: bool = False, token: str | None = None,
-                        tls: tuple[bytes, bytes] | None = None,
-                        data_plane: DataPlaneServer | None = None) -> tuple[grpc.aio.Server, int]:
+                        tls: tuple[bytes, bytes] | None = None, data_plane: DataPlaneServer | None = None,
+                        transfers: TransferThreads | None = None) -> tuple[grpc.aio.Server, int]:
     """A bound, not yet started server with the KVStore, health and reflection services.
 
     ``address`` is ``HOST:PORT`` (port 0 picks a free one) or ``unix:PATH``. Returns the server and
     the bound port (0 for a unix socket). Raises ``InvalidRequest`` if the address cannot be bound.
     ``token``: every call but health checks needs it; ``tls``: (cert chain, key) PEM bytes.
     ``data_plane``: a started native data plane over the store's host tier, for GetSlots to grant to.
+    ``transfers``: the threads Get, Put and CommitSlots copy on (None: the server's own), for the
+    caller to shut down before it closes the store.
     """
-    servicer = KVStoreServicer(store, limits, metrics, staging, durable_puts, data_plane)
+    servicer = KVStoreServicer(store, limits, metrics, staging, durable_puts, data_plane, transfers)
     interceptors = [security.BearerAuthInterceptor(token, servicer.metrics.refused)] if token else []
     server = grpc.aio.server(options=server_options(limits), interceptors=interceptors)
     if data_plane is not None:
@@ -208,6 +216,7 @@ async def serve(config: ServeConfig, store_config: StoreConfig, ready: Callable[
     remove_stale_segments(shm_dir)  # creating a segment sweeps too; this also covers a sidecar that maps none
     store = await asyncio.to_thread(store_config.open_store)  # a large host tier takes seconds to prefault
     staging = http = sampler = data_plane = watchdog = None
+    transfers = TransferThreads.of(config.limits)
     try:
         staging = open_staging(config.staging_bytes, shm_dir)
         data_plane = start_data_plane(data_address, store, config.limits, token, tls)
@@ -217,7 +226,7 @@ async def serve(config: ServeConfig, store_config: StoreConfig, ready: Callable[
         metrics = ServiceMetrics(store)
         server, port = await create_server(config.address, store, config.limits, health, metrics=metrics,
                                            staging=staging, durable_puts=config.durable_puts, token=token, tls=tls,
-                                           data_plane=data_plane)
+                                           data_plane=data_plane, transfers=transfers)
         serving = asyncio.Event()
         if config.http_address != HTTP_OFF:
             from kvstore.service.dashboard import Dashboard  # FastAPI and uvicorn load only when HTTP is on
@@ -255,6 +264,7 @@ async def serve(config: ServeConfig, store_config: StoreConfig, ready: Callable[
             watchdog.stop()
         if data_plane is not None:
             data_plane.stop(0)  # a no-op after a graceful shutdown
+        transfers.shutdown(TRANSFER_WAIT_S)  # their copies use what closes below (blocking, as the closes do)
         if staging is not None:
             staging.close()
         try:

@@ -34,7 +34,7 @@ from kvstore.service.chunk_codec import encode_chunk
 from kvstore.service.chunks import BlockAssembler, SentBlocks, check_block_bytes
 from kvstore.service.dataplane import DataPlaneServer
 from kvstore.service.granted_slots import GrantedLoad, GrantedSlots
-from kvstore.service.limits import ClientLeases, LimitExceeded, ServiceLimits, StreamIdle, StreamPace, TransferSlots
+from kvstore.service.limits import ClientLeases, LimitExceeded, ServiceLimits, StreamIdle, StreamPace
 from kvstore.service.metrics import ServiceMetrics
 from kvstore.service.staging import DEFAULT_RESERVATION_TTL_S, StagingArea
 from kvstore.service.transfer_threads import TransferThreads
@@ -133,12 +133,14 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     ``staging`` enables ReserveSlots/CommitSlots (None: they answer FAILED_PRECONDITION).
     ``durable_puts``: Put and CommitSlots answer only after the store flushed (disk tier fsynced),
     and say so in ``PutResponse.durable``. ``data_plane``: the native BlockData server over the host
-    tier's segment (kvstore.service.dataplane); GetSlots then grants its slots to it.
+    tier's segment (kvstore.service.dataplane); GetSlots then grants its slots to it. ``transfers``:
+    the threads of Get, Put and CommitSlots (None: its own, of ``limits``); whoever closes the store
+    shuts them down first.
     """
 
     def __init__(self, store: TieredStore, limits: ServiceLimits, metrics: ServiceMetrics | None = None,
                  staging: StagingArea | None = None, durable_puts: bool = False,
-                 data_plane: DataPlaneServer | None = None):
+                 data_plane: DataPlaneServer | None = None, transfers: TransferThreads | None = None):
         self._store = store
         self._data_plane = data_plane
         self._limits = limits
@@ -146,7 +148,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         self._staging = staging
         self._unstaged: set[bytes] = set()  # namespaces whose blocks fit no staging page (logged once)
         self._durable_puts = durable_puts
-        self._transfers = TransferThreads(TransferSlots(limits.max_concurrent_transfers, limits.max_streams_per_client))
+        self._transfers = transfers or TransferThreads.of(limits)
         self._leases = ClientLeases(limits.max_leases_per_client)
         self._granted_slots = GrantedSlots()
         self._registering = threading.Lock()
@@ -400,8 +402,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         makes the store calls)."""
         durable = False
         if self._durable_puts:  # durable only if every block reached the disk (a copy refused for room did not)
-            await run(self._store.flush)
-            durable = await run(store_calls.on_disk, self._store, ns_id, hashes)
+            durable = await run(store_calls.flush_durable, self._store, ns_id, hashes)
         self.metrics.put(ns_id, result.stored, result.duplicates, result.rejected, nbytes, time.perf_counter() - started)
         return wire.put_result_to_proto(result, durable=durable)
 

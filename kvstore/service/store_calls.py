@@ -34,6 +34,21 @@ def on_disk(store: TieredStore, ns_id: bytes, hashes: list[bytes]) -> bool:
     return all(disk.contains(ns_id + block_hash) for block_hash in hashes)
 
 
+def flush_durable(store: TieredStore, ns_id: bytes, hashes: list[bytes]) -> bool:
+    """Flush the store; whether every one of ``hashes`` is now durable on its last tier (the disk).
+
+    ``store.flush`` drains the background writes (this put's own copies to the disk among them),
+    then fsyncs what the disk tier had written by then. A block the disk holds only after that
+    (a racing put's copy of it landing meanwhile, ours being a duplicate) was fsynced by nothing,
+    so once every block is found there the store is flushed again: durable means written before
+    a flush that completed."""
+    store.flush()
+    if not on_disk(store, ns_id, hashes):
+        return False
+    store.flush()
+    return True
+
+
 def release_quietly(store: TieredStore, lease_id: int) -> None:
     try:
         store.release(lease_id)

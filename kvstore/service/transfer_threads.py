@@ -13,32 +13,41 @@ RESOURCE_EXHAUSTED (not queued), and the control calls go on.
     with threads.stream(client) as stream:          # LimitExceeded when no slot is free
         result = await stream.run(store.load, ...)   # on a transfer thread
     # the slot is free once the stream has ended and its last call returned
+    threads.shutdown(timeout_s)                      # at exit, before the store and staging close
+
+A call cancelled with its stream still runs to its end: ``shutdown`` waits for those, so they do
+not copy out of a staging area or into a store that has closed under them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from concurrent.futures import ThreadPoolExecutor
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Callable, Iterator
 
-from kvstore.service.limits import TransferSlots
+from kvstore.errors import StoreClosed
+from kvstore.service.limits import ServiceLimits, TransferSlots
+
+log = logging.getLogger(__name__)
 
 
 class TransferStream:
     """One stream's store calls; its slot's ``release`` runs once it is closed and no call runs.
     Used from the event loop's thread."""
 
-    def __init__(self, executor: ThreadPoolExecutor, release: Callable[[], None]):
-        self._executor, self._release = executor, release
+    def __init__(self, submit: Callable[..., Future], release: Callable[[], None]):
+        self._submit, self._release = submit, release
         self._running = 0
         self._closed = False
 
     def run(self, fn, *args) -> asyncio.Future:
         """``fn(*args)`` on a transfer thread. Cancelling what this returns does not stop the call:
-        the slot stays taken until it returns."""
+        the slot stays taken until it returns. ``StoreClosed`` once the threads are shut down."""
         loop = asyncio.get_running_loop()
-        call = self._executor.submit(fn, *args)
+        call = self._submit(fn, *args)
         self._running += 1
         call.add_done_callback(lambda _: loop.call_soon_threadsafe(self._returned))
         return asyncio.wrap_future(call)
@@ -62,13 +71,48 @@ class TransferThreads:
     def __init__(self, slots: TransferSlots):
         self.slots = slots
         self._executor = ThreadPoolExecutor(max_workers=slots.limit, thread_name_prefix="kvstore-transfer")
+        self._calls: set[Future] = set()  # submitted, not yet returned
+        self._shut = False
+        self._lock = threading.Lock()  # calls return on their own threads
+
+    @classmethod
+    def of(cls, limits: ServiceLimits) -> "TransferThreads":
+        """The threads of a server with ``limits`` (its transfer slots)."""
+        return cls(TransferSlots(limits.max_concurrent_transfers, limits.max_streams_per_client))
 
     @contextlib.contextmanager
     def stream(self, client: str = "") -> Iterator[TransferStream]:
         """A slot for ``client``'s stream (``LimitExceeded`` if none is free), kept until the stream
         ends and its last call returned."""
-        stream = TransferStream(self._executor, self.slots.take(client))
+        stream = TransferStream(self._submit, self.slots.take(client))
         try:
             yield stream
         finally:
             stream.close()
+
+    def shutdown(self, timeout_s: float) -> bool:
+        """Take no more calls (``StoreClosed``) and wait up to ``timeout_s`` for those submitted to
+        return. True once all have; False, logged, when some still run after it (hung on a disk, say):
+        they then meet the store and the staging area closing under them. Idempotent."""
+        with self._lock:
+            self._shut = True
+            calls = list(self._calls)
+        self._executor.shutdown(wait=False)
+        running = wait(calls, timeout_s).not_done
+        if running:
+            log.warning("%d Get/Put/CommitSlots store calls still run %.1f s into the shutdown (a hung disk?); "
+                        "closing the store under them: they fail", len(running), timeout_s)
+        return not running
+
+    def _submit(self, fn, *args) -> Future:
+        with self._lock:
+            if self._shut:
+                raise StoreClosed("the sidecar is shutting down: no more transfers; retry elsewhere or later")
+            call = self._executor.submit(fn, *args)
+            self._calls.add(call)
+        call.add_done_callback(self._returned)
+        return call
+
+    def _returned(self, call: Future) -> None:
+        with self._lock:
+            self._calls.discard(call)

@@ -7,6 +7,7 @@ message shapes and nothing about what the store does with them.
 from __future__ import annotations
 
 from dataclasses import fields
+from typing import NamedTuple
 
 from kvstore.errors import InvalidRequest
 from kvstore.keys import Namespace
@@ -80,9 +81,28 @@ def _namespace_from_fields(msg: pb.Namespace) -> Namespace:
                      **given)
 
 
+class Registration(NamedTuple):
+    """What a RegisterNamespace answers: the namespace's id and the byte layout the sidecar gives
+    its blocks (a client checks it against its own ``BlockSpec``)."""
+
+    namespace_id: bytes
+    block_bytes: int
+    layer_bytes: int
+    num_layers: int
+    block_size: int
+
+    def matches(self, spec: BlockSpec) -> bool:
+        return (self.block_bytes, self.layer_bytes, self.num_layers, self.block_size) == \
+            (spec.block_bytes, spec.layer_bytes, spec.num_layers, spec.block_size)
+
+
 def registered(ns_id: bytes, spec: BlockSpec) -> pb.RegisterNamespaceResponse:
     return pb.RegisterNamespaceResponse(namespace_id=ns_id, block_bytes=spec.block_bytes, layer_bytes=spec.layer_bytes,
                                         num_layers=spec.num_layers, block_size=spec.block_size)
+
+
+def registration_from_proto(msg: pb.RegisterNamespaceResponse) -> Registration:
+    return Registration(msg.namespace_id, msg.block_bytes, msg.layer_bytes, msg.num_layers, msg.block_size)
 
 
 # ---- lookup and put ----------------------------------------------------------------------

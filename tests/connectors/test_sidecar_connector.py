@@ -19,9 +19,10 @@ from connectors.sidecar_connector import SidecarConnector
 from connectors.store_connector import StoreConnector
 from kvstore.errors import InvalidRequest
 from kvstore.keys import namespace_hashes
-from kvstore.service import dataplane
+from kvstore.service import dataplane, wire
 from kvstore.service.client import KVStoreClient
 from kvstore.service.limits import ServiceLimits
+from kvstore.service.v1 import kvstore_pb2 as pb
 from tests.connectors.sidecar_server import unused_address
 from tests.connectors.test_store_connector import NS, SPEC, BytePool, stall_reads
 
@@ -175,6 +176,33 @@ def test_a_sidecar_that_is_down_is_a_miss_and_a_failed_load_never_an_exception(c
         assert handle.wait() == 0
         connector.release("a")
     assert sum("serves without it" in r.getMessage() for r in caplog.records) == 1, "one warning, not one per call"
+
+
+def test_a_sidecar_laying_out_blocks_otherwise_is_never_registered_and_every_call_a_miss(make_store, sidecars,
+                                                                                        connectors, hashes, caplog,
+                                                                                        monkeypatch):
+    """A sidecar of another version gives the namespace's blocks another layout (here 64 bytes more
+    a layer). Registration compared the namespace id alone, so the connector moved blocks it
+    would cut at the wrong offsets. Now registration fails naming both layouts, and every call
+    that needs the namespace is a miss: nothing is leased, loaded or stored."""
+    def skewed(ns_id, spec):
+        return pb.RegisterNamespaceResponse(namespace_id=ns_id, block_bytes=spec.block_bytes + 64 * spec.num_layers,
+                                            layer_bytes=spec.layer_bytes + 64, num_layers=spec.num_layers,
+                                            block_size=spec.block_size)
+
+    monkeypatch.setattr(wire, "registered", skewed)
+    store = make_store()
+    ns_id = store.register_namespace(NS)
+    store.put(ns_id, hashes[:2], [np.full(SPEC.block_bytes, 7, np.uint8)] * 2)
+    with caplog.at_level(logging.WARNING):
+        connector = connectors(sidecars(store).target, NS, timeout_s=5)
+        assert connector.lookup("a", hashes).blocks == 0
+        connector.save("a", hashes[2:4], [0, 1], BytePool(2, seed=3), parent=hashes[1])
+        connector.flush()
+    assert store.stats().leases_active == 0 and store.stats().stored_blocks == 2
+    assert f"{SPEC.num_layers} layers of {SPEC.layer_bytes + 64} bytes" in caplog.text
+    assert f"this side as {SPEC.num_layers} layers of {SPEC.layer_bytes} bytes" in caplog.text
+    assert "different versions" in caplog.text
 
 
 def test_a_sidecar_that_dies_after_the_lookup_fails_the_load(make_store, sidecars, connectors, hashes):

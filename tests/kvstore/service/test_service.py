@@ -151,6 +151,32 @@ def test_lookup_with_lease_then_release(client, namespace, spec, chain):
     assert error.code() == Code.NOT_FOUND and f"lease {hit.lease_id} is unknown" in error.details()
 
 
+def test_lease_ids_are_unguessable_by_clients_sharing_a_unix_socket_and_across_restarts(make_store, start_server,
+                                                                                      tmp_path, namespace, spec,
+                                                                                      chain):
+    """Over a unix socket every client sending no ``kvstore-client`` metadata has the same identity
+    (its peer is "unix:"), so the sidecar's holder check cannot tell them apart. Lease ids were 1,
+    2, 3...: one such client ended another's lease by releasing small ids, and a restarted sidecar
+    gave a new lease the id an old client still held. Now ids are random 63-bit numbers."""
+    leases = []
+    for run in range(2):  # a sidecar, then its successor over a new store
+        store = make_store(disk_bytes=None)
+        ns_id = store.register_namespace(namespace)
+        store.put(ns_id, chain[:2], payloads_for(spec, chain[:2]))
+        server = start_server(store, address=f"unix:{tmp_path}/kvstore{run}.sock")
+        with grpc.insecure_channel(server.target) as a, grpc.insecure_channel(server.target) as b:
+            lookup = pb.LookupRequest(namespace_id=ns_id, block_hashes=chain[:2], lease_ttl_s=30)
+            first, second = (KVStoreStub(a).Lookup(lookup).lease_id for _ in range(2))
+            assert 0 < first < 1 << 63 and abs(second - first) > 1 << 20, "neither small nor in sequence"
+            for guess in [*range(1, 65), *(lease for lease in leases if lease not in (first, second))]:
+                error = rpc_error(KVStoreStub(b).Release, pb.ReleaseRequest(lease_id=guess))
+                assert error.code() == Code.NOT_FOUND, f"lease {guess}"
+            assert store.lease_alive(first) and store.lease_alive(second), "a guess ended nobody's lease"
+            KVStoreStub(a).Release(pb.ReleaseRequest(lease_id=first))
+        leases += [first, second]
+    assert len(set(leases)) == 4
+
+
 def test_load_ends_the_lease(client, namespace, spec, chain):
     ns_id = client.register_namespace(namespace)
     client.put(ns_id, chain[:2], payloads_for(spec, chain[:2]))
@@ -398,3 +424,52 @@ def test_an_unbindable_address_is_refused_with_a_message(store, tmp_path):
     with pytest.raises(InvalidRequest, match="cannot listen on 'unix:.*missing-dir/kvstore.sock': "
                                              "the directory .*/missing-dir does not exist"):
         asyncio.run(bind())
+
+
+# ---- durable puts -------------------------------------------------------------------------
+
+def test_a_duplicate_is_durable_only_once_a_flush_followed_its_copy_reaching_the_disk(make_store, start_server,
+                                                                                   namespace, spec, chain):
+    """Engine A puts a block; its copy to the disk runs inline (backpressure) and lands just after
+    engine B's duplicate put has flushed. B was answered durable=True though no flush had synced
+    that copy: a crash then lost a block called durable. Now a flush follows every durable answer's
+    last block reaching the disk."""
+    store = make_store(host_bytes=1 << 20, disk_bytes=4 << 20, background_writes=False)
+    ns_id = store.register_namespace(namespace)
+    disk, events = store.tiers[1], []
+    a_copying, copy_may_land, copy_landed = threading.Event(), threading.Event(), threading.Event()
+    write, flush = disk.write, disk.flush
+
+    def a_slow_copy(*args):
+        a_copying.set()
+        copy_may_land.wait(10)
+        written = write(*args)
+        events.append("written")
+        copy_landed.set()
+        return written
+
+    def flush_then_let_the_copy_land():
+        flush()
+        events.append("flushed")
+        if a_copying.is_set() and not copy_may_land.is_set():
+            copy_may_land.set()
+            copy_landed.wait(10)
+
+    disk.write, disk.flush = a_slow_copy, flush_then_let_the_copy_land
+    server = start_server(store, durable_puts=True)
+    payload = payloads_for(spec, chain[:1])[0]
+    engine_a = threading.Thread(target=store.put, args=(ns_id, chain[:1], [payload]))
+    engine_a.start()
+    try:
+        assert a_copying.wait(10)
+        with grpc.insecure_channel(server.target) as channel:
+            header = pb.PutHeader(namespace_id=ns_id, block_hashes=chain[:1], block_bytes=spec.block_bytes)
+            chunk = pb.Chunk(block_index=0, offset=0, data=payload.tobytes())
+            reply = KVStoreStub(channel).Put(iter([pb.PutRequest(header=header), pb.PutRequest(chunk=chunk)]),
+                                             timeout=30)
+    finally:
+        copy_may_land.set()
+        engine_a.join(10)
+    assert reply.duplicates == 1 and disk.contains(ns_id + chain[0])
+    assert reply.durable, "the block is on the disk and a flush followed"
+    assert events[:2] == ["flushed", "written"] and "flushed" in events[2:], "synced after it was written"

@@ -8,12 +8,15 @@ A real server over a real host + disk store; the disk's reads are made to hang."
 
 from __future__ import annotations
 
+import threading
+
 import grpc
 import numpy as np
 import pytest
 
 from kvstore.service.client import KVStoreClient
 from kvstore.service.limits import ServiceLimits, TransferSlots
+from kvstore.service.transfer_threads import TransferThreads
 from kvstore.errors import KVStoreError
 from tests.conftest import payloads_for
 from tests.connectors.test_store_connector import stall_reads
@@ -77,3 +80,39 @@ def test_a_slot_is_released_once_and_only_once():
     assert slots.active == 0
     slots.take("b")
     assert slots.active == 1
+
+
+def test_shutdown_waits_for_the_store_calls_of_ended_gets_then_refuses_new_ones(make_store, start_server, namespace,
+                                                                                spec, chain, caplog):
+    """A Get whose client gave up leaves its load running on a transfer thread. The server's shutdown
+    waited for the event loop's threads only, so the store and the staging area closed under such
+    loads. Now ``shutdown`` waits for them (bounded, logged when it gives up) and refuses new calls."""
+    store = make_store(host_bytes=None, disk_bytes=8 << 20)
+    ns_id = store.register_namespace(namespace)
+    store.put(ns_id, chain[:2], payloads_for(spec, chain[:2]))
+    unstick = stall_reads(store.tiers[0])
+    transfers = TransferThreads.of(ServiceLimits())
+    server = start_server(store, transfers=transfers)
+    try:
+        for block in chain[:2]:  # two loads hang on the disk, their calls past their deadlines
+            with KVStoreClient(server.target, timeout_s=0.3) as engine:
+                with pytest.raises(grpc.RpcError) as failed:
+                    engine.load(ns_id, [block], [np.empty(spec.block_bytes, np.uint8)])
+                assert failed.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        with caplog.at_level("WARNING", logger="kvstore.service.transfer_threads"):
+            assert transfers.shutdown(0.2) is False, "gave up on the hung loads"
+        assert "2 Get/Put/CommitSlots store calls still run 0.2 s into the shutdown" in caplog.text
+        outcome = []
+        waiting = threading.Thread(target=lambda: outcome.append(transfers.shutdown(10)))
+        waiting.start()
+        waiting.join(0.3)
+        assert waiting.is_alive() and not outcome, "waits while the loads still run"
+        unstick.set()
+        waiting.join(10)
+        assert outcome == [True], "returned once the loads had"
+        with KVStoreClient(server.target, timeout_s=10) as late:
+            with pytest.raises(grpc.RpcError) as refused:
+                late.load(ns_id, chain[:1], [np.empty(spec.block_bytes, np.uint8)])
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in refused.value.details()
+    finally:
+        unstick.set()
