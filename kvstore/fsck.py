@@ -10,7 +10,8 @@ what the segments hold. Findings:
     missing_segments   segments the index points at that do not exist
     uncommitted_bytes  bytes at or past the committed tail (an interrupted write; a torn record
                        there is not a corrupt one)
-    index_unreadable   the index could not be read at all (repair rebuilds it from the segments)
+    index_unreadable   the index could not be read in full: it does not open, or a block of it fails
+                       its checksum (repair rebuilds it from the segments)
 
 A tier is clean when there are no bad entries, corrupt records or missing segments and the index
 reads: orphans and uncommitted bytes are what a crash legitimately leaves, and the next open
@@ -27,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import struct
 import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterator
@@ -36,7 +36,7 @@ import numpy as np
 from rocksdict import AccessType, Options, Rdict
 
 from kvstore.errors import InvalidRequest
-from kvstore.tiers.disk_files import BLOCK_KEY_PREFIX, TAIL_KEY, TAIL_VALUE, DirectoryLock
+from kvstore.tiers.disk_files import DirectoryLock, IndexEntry, read_index
 from kvstore.tiers.segment import scan_segment
 
 ProgressFactory = Callable[[str, int], Callable[[int], None]]
@@ -66,20 +66,16 @@ class FsckReport:
         return {**asdict(self), "clean": self.clean}
 
 
-def _read_index(index_dir: str) -> tuple[dict[bytes, tuple[int, int, int]], tuple[int, int] | None]:
-    """key -> (segment, offset, nbytes) and the committed tail, read-only and writing nothing there."""
-    entries: dict[bytes, tuple[int, int, int]] = {}
+def _read_index(index_dir: str) -> tuple[dict[bytes, IndexEntry], tuple[int, int] | None]:
+    """key -> entry and the committed tail, read-only and writing nothing there; raises where any
+    of it cannot be read (``read_index``), never returns part of it."""
     with _shadow_of(index_dir) as shadow:
         db = Rdict(shadow, options=Options(raw_mode=True), access_type=AccessType.read_only())
         try:
-            for raw_key, raw_value in db.items():
-                if raw_key.startswith(BLOCK_KEY_PREFIX) and len(raw_key) == 33:
-                    segment, offset, nbytes = struct.unpack_from("<IQQ", raw_value)
-                    entries[raw_key[1:]] = (segment, offset, nbytes)
-            tail = db.get(TAIL_KEY)
+            stored = read_index(db, index_dir)
         finally:
             db.close()
-    return entries, (TAIL_VALUE.unpack(tail) if tail else None)
+    return stored.entries, stored.tail
 
 
 @contextlib.contextmanager
@@ -127,7 +123,7 @@ def _not_a_tier(path: str) -> str:
     return f"{path} is not a kvstore disk tier directory (no segments/ inside)"
 
 
-def _load_index(path: str, report: FsckReport) -> tuple[dict[bytes, tuple[int, int, int]], tuple[int, int] | None]:
+def _load_index(path: str, report: FsckReport) -> tuple[dict[bytes, IndexEntry], tuple[int, int] | None]:
     """``_read_index``, with a missing or unreadable index noted in ``report`` instead of raised."""
     index_dir = os.path.join(path, "index")
     if not os.path.isdir(index_dir):
@@ -161,17 +157,18 @@ def _check(path: str, report: FsckReport, progress: ProgressFactory | None) -> N
                 report.problems.append(f"segment {segment_id} offset {record.offset}: record fails its checksums")
         report.uncommitted_bytes += _uncommitted_bytes(tail, segment_id, os.path.getsize(seg_path))
     present = set(segment_ids)
-    missing = {segment for segment, _, _ in entries.values() if segment not in present}
+    missing = {entry.segment for entry in entries.values() if entry.segment not in present}
     report.missing_segments = len(missing)
     report.problems += [f"segment {s} is referenced by the index but missing" for s in sorted(missing)]
     referenced = set()
-    for key, (segment, offset, nbytes) in entries.items():
-        referenced.add((segment, offset))
-        if found.get((segment, offset)) == key:
+    for key, entry in entries.items():
+        referenced.add((entry.segment, entry.offset))
+        if found.get((entry.segment, entry.offset)) == key:
             report.ok += 1
-        elif segment not in missing:
+        elif entry.segment not in missing:
             report.bad_entries += 1
-            report.problems.append(f"index entry {key.hex()} -> segment {segment} offset {offset}: no verifying record")
+            report.problems.append(f"index entry {key.hex()} -> segment {entry.segment} offset {entry.offset}: "
+                                   "no verifying record")
     report.orphans = sum(1 for place in found if place not in referenced)
 
 

@@ -56,9 +56,7 @@ from kvstore.checksum import layers_match
 from kvstore.errors import InvalidRequest, StoreClosed
 from kvstore.open_files import raise_open_files_limit
 from kvstore.tiers.base import KEY_BYTES, BlockMeta, Tier, TierStats
-from kvstore.tiers.direct_io import (
-    pwritev_all, read_direct, read_record_direct, write_record_direct,
-)
+from kvstore.tiers.direct_io import pwritev_all, read_record_direct, write_record_direct
 from kvstore.tiers.disk_files import (
     BLOCK_KEY_PREFIX, NEXT_SEQ_KEY, NEXT_SEQ_VALUE, TAIL_KEY, TAIL_VALUE, DirectoryLock, IndexEntry, SegmentFile,
     fsync_directory, open_index, segment_name, supports_direct, truncate_quietly, warn_if_oversized,
@@ -120,6 +118,7 @@ class DiskTier(DiskRecovery, DiskReclaim, Tier):
         self._writing = 0  # footprint of the record being written (writes hold _lock: one at a time)
         self._reservations: dict[bytes, int] = {}  # key -> footprint set aside for its write (``reserve``)
         self._punches = True  # whether the file system punches holes (probed at open)
+        self._unsynced_directory = False  # a segment file created since the segments directory was synced
         os.makedirs(self.path, exist_ok=True)
         self._dir_lock = DirectoryLock(self.path)  # first: another process's directory is never touched
         raise_open_files_limit("a disk tier holds one descriptor per segment file")
@@ -178,11 +177,19 @@ class DiskTier(DiskRecovery, DiskReclaim, Tier):
         return key in self._index
 
     def meta(self, key: bytes) -> BlockMeta | None:
+        """``key``'s metadata, its checksums read from its record header; None when it is not
+        resident or its header is not its own or cannot be read (an I/O error: counted, never
+        raised, as a read's would be; the entry stays for ``read`` to verify and drop)."""
         entry = self._index.get(key)
         if entry is None:
             return None
-        header = self._read_header(entry)
-        if header is None or header.key != key:  # overwritten or zeroed under its entry: no record of it
+        try:
+            header = self._read_header(entry)
+        except OSError as exc:
+            self._count("io_errors", 1)
+            log.warning("disk tier %s: reading a block's header failed (%s)", self.path, exc)
+            return None
+        if not _describes(header, key, entry):  # overwritten or zeroed under its entry: no record of it
             return None
         return BlockMeta(entry.nbytes, entry.num_layers, header.checksums, entry.parent)
 
@@ -275,6 +282,8 @@ class DiskTier(DiskRecovery, DiskReclaim, Tier):
         segment = SegmentFile(next_id, os.path.join(self._segments_dir, segment_name(next_id)), self.direct_io)
         if self.durable:  # the new file's directory entry must survive a power loss too
             fsync_directory(self._segments_dir)
+        else:
+            self._unsynced_directory = True  # synced by the next flush
         with self._books:
             self._segments[next_id] = segment
         old, self._active, self._tail = self._active, segment, 0
@@ -314,7 +323,7 @@ class DiskTier(DiskRecovery, DiskReclaim, Tier):
             self._runs.end(run)
             self._count("io_errors", 1)
             log.warning("disk tier %s: read of a block failed (%s); dropped", self.path, exc)
-            self.remove(key)
+            self._remove_record(key, entry)
             return False
         verified = False
         try:
@@ -330,13 +339,13 @@ class DiskTier(DiskRecovery, DiskReclaim, Tier):
     def _verify_and_copy(self, key: bytes, entry: IndexEntry, header_page: np.ndarray | None, data: np.ndarray,
                          dst: np.ndarray, first_layer: int, count: int) -> bool:
         """Copy ``data`` into ``dst`` if the record verifies (``header_page`` None: it was read short);
-        otherwise drop the block and count it."""
+        otherwise drop the block (``entry``, unless another write replaced it meanwhile) and count it."""
         header = RecordHeader.decode(header_page) if header_page is not None else None
-        if not (header and header.key == key and header.nbytes == entry.nbytes
+        if not (_describes(header, key, entry)
                 and layers_match(data, header.checksums[first_layer : first_layer + count])):
             self._count("checksum_failures", 1)
             log.warning("disk tier %s: block failed verification; dropped", self.path)
-            self.remove(key)
+            self._remove_record(key, entry)
             return False
         if data is not dst:
             np.copyto(dst, data)  # verified bytes only ever reach the caller
@@ -388,19 +397,20 @@ class DiskTier(DiskRecovery, DiskReclaim, Tier):
         return run
 
     def _read_header(self, entry: IndexEntry) -> RecordHeader | None:
+        """The record header at ``entry``; None where there is none (segment gone, file cut short)."""
         segment = self._segments.get(entry.segment)
         if segment is None:
             return None
-        if segment.direct:
-            return RecordHeader.decode(read_direct(segment.fd, entry.offset, HEADER_BYTES))
-        return RecordHeader.decode(os.pread(segment.fd, HEADER_BYTES, entry.offset))
+        page = segment.read(entry.offset, HEADER_BYTES)
+        return RecordHeader.decode(page) if len(page) == HEADER_BYTES else None
 
     # ---- maintenance -------------------------------------------------------------------
 
     def flush(self) -> None:
-        """fdatasync the segments written to, then the index with the deletes still to be committed
-        and its log. A failure is logged and counted as an io_error, never raised: I/O failure of
-        the tier is no caller's error, and a store closes its tiers after flushing them."""
+        """fdatasync the segments written to and the segments directory where a segment file was
+        created since, then the index with the deletes still to be committed and its log. A failure
+        is logged and counted as an io_error, never raised: I/O failure of the tier is no caller's
+        error, and a store closes its tiers after flushing them."""
         with self._lock:
             if self._closed:
                 return
@@ -409,6 +419,9 @@ class DiskTier(DiskRecovery, DiskReclaim, Tier):
                     if segment.dirty:
                         os.fdatasync(segment.fd)
                         segment.dirty = False
+                if self._unsynced_directory:
+                    fsync_directory(self._segments_dir)
+                    self._unsynced_directory = False
                 if self._unindexed or self._holes or self._db is None:
                     self._commit_and_punch({})
                 try:
@@ -489,3 +502,9 @@ class DiskTier(DiskRecovery, DiskReclaim, Tier):
         if self._closed:
             raise StoreClosed(f"disk tier at {self.path} is closed")
 
+
+def _describes(header: RecordHeader | None, key: bytes, entry: IndexEntry) -> bool:
+    """Whether ``header`` is the record ``entry`` indexes for ``key``: its key, size and layer count
+    (a record of another shape, its checksums sliced by the entry's layers, is no record of it)."""
+    return (header is not None and header.key == key and header.nbytes == entry.nbytes
+            and header.num_layers == entry.num_layers)

@@ -19,11 +19,12 @@ from dataclasses import dataclass
 
 from typing import Callable
 
+import numpy as np
 from rocksdict import Options, Rdict
 
 from kvstore.errors import NotPermitted
 from kvstore.sizing import format_bytes
-from kvstore.tiers.direct_io import open_direct
+from kvstore.tiers.direct_io import open_direct, read_direct
 from kvstore.tiers.segment import footprint, scan_segment
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,13 @@ class SegmentFile:
         self.live_bytes = 0
         self.dead_bytes = 0  # removed but not reclaimable (no hole punching)
         self.dirty = False
+
+    def read(self, offset: int, length: int) -> np.ndarray | bytes:
+        """Up to ``length`` bytes at ``offset`` (fewer at the end of the file) through ``fd``; with
+        O_DIRECT a view of this thread's read bounce buffer, valid until the thread's next read."""
+        if self.direct:
+            return read_direct(self.fd, offset, length)
+        return os.pread(self.fd, length, offset)
 
     def __del__(self) -> None:
         fd, self.fd = getattr(self, "fd", None), None
@@ -173,26 +181,73 @@ def open_index(index_dir: str) -> Rdict:
     """The tier's RocksDB index, created if missing (empty: the tier rebuilds it from the segments).
 
     An index RocksDB cannot open because it is broken (corrupt, files missing, or the path is not
-    a directory) is moved aside to ``index.corrupt-TIME`` and a new one created: the segments are
-    the truth, and the tier rebuilds the entries from them. An index that fails to open for a
-    reason outside it (locked by another process, no space left, a read-only file system, an I/O
-    error, no access, too many open files) raises ``OSError`` (with that errno where there is
-    one) naming the directory and the cause, and is left as it is: it is not broken, and moving it
-    would take a live index from under its owner, or throw away a good one for want of space.
+    a directory) is set aside (``set_aside``) and a new one created: the segments are the truth,
+    and the tier rebuilds the entries from them. An index that fails to open for a reason outside
+    it (locked by another process, no space left, a read-only file system, an I/O error, no
+    access, too many open files) raises ``OSError`` (with that errno where there is one) naming
+    the directory and the cause, and is left as it is: it is not broken, and moving it would take
+    a live index from under its owner, or throw away a good one for want of space.
     """
     try:
         if os.path.lexists(index_dir) and not os.path.isdir(index_dir):
-            raise _CorruptIndex("not a directory")
+            raise CorruptIndex("not a directory")
         return _open_rdict(index_dir)
-    except _CorruptIndex as exc:
-        aside = f"{index_dir}.corrupt-{int(time.time())}"
-        log.warning("disk index at %s is corrupt (%s); moved to %s, rebuilding", index_dir, exc, aside)
-        shutil.move(index_dir, aside)
+    except CorruptIndex as exc:
+        set_aside(index_dir, str(exc))
         return _open_rdict(index_dir)
 
 
-class _CorruptIndex(Exception):
+def set_aside(index_dir: str, reason: str) -> None:
+    """Move a corrupt index (closed) to ``index.corrupt-TIME``, out of the way of a new one."""
+    aside = f"{index_dir}.corrupt-{int(time.time())}"
+    log.warning("disk index at %s is corrupt (%s); moved to %s, rebuilding", index_dir, reason, aside)
+    shutil.move(index_dir, aside)
+
+
+class CorruptIndex(Exception):
     """RocksDB cannot use the index: a rebuild from the segments repairs it."""
+
+
+@dataclass(frozen=True)
+class StoredIndex:
+    """Everything an index holds (``read_index``)."""
+
+    stamp: bytes | None  # FORMAT_KEY's value; None in an index no tier has stamped yet
+    tail: tuple[int, int] | None  # the committed tail (segment id, offset); None before the first record
+    next_seq: int | None  # NEXT_SEQ_KEY's value, where the index has it
+    entries: dict[bytes, IndexEntry]  # block key -> where its record is
+
+
+def read_index(db: Rdict, index_dir: str) -> StoredIndex:
+    """Everything ``db``, the index at ``index_dir``, holds, read in full before anyone acts on it.
+    Raises ``CorruptIndex`` where a read finds it broken (a block failing its checksum, a malformed
+    value), and ``OSError`` where a read fails for a cause outside it (``_index_error``). Block
+    entries are read through an iterator whose status is checked at the end: rocksdict's
+    ``items()`` stops at a block that fails its checksum as if the index ended there, and a tier
+    taking that shortened index for the truth frees the good records it no longer lists."""
+    try:
+        stamp, tail, next_seq = db.get(FORMAT_KEY), db.get(TAIL_KEY), db.get(NEXT_SEQ_KEY)
+        return StoredIndex(stamp, TAIL_VALUE.unpack(tail) if tail else None,
+                           NEXT_SEQ_VALUE.unpack(next_seq)[0] if next_seq else None, _block_entries(db))
+    except struct.error as exc:
+        raise CorruptIndex(f"a malformed value ({exc})") from exc
+    except Exception as exc:  # rocksdict raises plain Exception with RocksDB's status as its message
+        raise _index_error(index_dir, "read", exc) from exc
+
+
+def _block_entries(db: Rdict) -> dict[bytes, IndexEntry]:
+    """Block key -> entry for every block in ``db``; raises what RocksDB raises where a read fails."""
+    entries: dict[bytes, IndexEntry] = {}
+    it = db.iter()
+    try:
+        it.seek(BLOCK_KEY_PREFIX)
+        while it.valid() and it.key().startswith(BLOCK_KEY_PREFIX):
+            entries[it.key()[1:]] = IndexEntry.decode(it.value())
+            it.next()
+        it.status()  # raises the error that ended the loop, if one did
+    finally:
+        del it  # a live iterator keeps the index open, and so its LOCK held, past the index's close
+    return entries
 
 
 # RocksDB's LOCK file held (its wording varies: "lock hold by current process", "While lock file:
@@ -225,20 +280,27 @@ def _cause(message: str) -> int | None:
 
 def _open_rdict(index_dir: str) -> Rdict:
     """Open (or create) the index; ``OSError`` if it fails for a reason outside the index (locked,
-    full, read-only, unreadable...), else ``_CorruptIndex`` for any failure."""
+    full, read-only, unreadable...), else ``CorruptIndex`` for any failure."""
     try:
         return Rdict(index_dir, options=Options(raw_mode=True))
     except Exception as exc:  # rocksdict raises plain Exception with RocksDB's status as its message
-        message = str(exc)
-        code = _cause(message)
-        if code is not None:
-            raise OSError(code, f"disk index at {index_dir} could not be opened ({message}); left as it is: "
-                                f"{os.strerror(code)} is no corruption. {_NOT_THE_INDEX[code].capitalize()}, then "
-                                f"open the tier again.") from exc
-        if _LOCKED.search(message):
-            raise OSError(f"disk index at {index_dir} could not be opened ({message}); left as it is: it is in "
-                          f"use, not corrupt. Stop the process that has it open, then open the tier again.") from exc
-        raise _CorruptIndex(message) from exc
+        raise _index_error(index_dir, "opened", exc) from exc
+
+
+def _index_error(index_dir: str, done: str, exc: Exception) -> Exception:
+    """What RocksDB's failure ``exc`` to be ``done`` ("opened", "read") to the index means: an
+    ``OSError`` naming the cause and what to do, where the cause is outside the index (locked,
+    full, read-only, unreadable...), else ``CorruptIndex``."""
+    message = str(exc)
+    code = _cause(message)
+    if code is not None:
+        return OSError(code, f"disk index at {index_dir} could not be {done} ({message}); left as it is: "
+                             f"{os.strerror(code)} is no corruption. {_NOT_THE_INDEX[code].capitalize()}, then "
+                             f"open the tier again.")
+    if _LOCKED.search(message):
+        return OSError(f"disk index at {index_dir} could not be {done} ({message}); left as it is: it is in "
+                       f"use, not corrupt. Stop the process that has it open, then open the tier again.")
+    return CorruptIndex(message)
 
 
 def segment_name(segment_id: int) -> str:

@@ -16,8 +16,10 @@ bytes count as dead until its whole segment goes; a segment left with nothing li
 counting at once (it is deleted at the next reclaim), as before the split into books and I/O.
 Its header page is overwritten with zeros instead (``_invalidate``), so an index rebuild finds
 no removed block (a deleted namespace's, say) to bring back. A process killed between the index
-delete and that write leaves the record whole; a rebuild may then bring the block back with its
-own bytes, and never in place of a newer record of the same key (sequence numbers only grow).
+delete and that write leaves the record whole until the next open zeroes it (recovery frees what
+no live record covers); a rebuild before that (the index lost as well) may bring the block back
+with its own bytes, and never in place of a newer record of the same key (sequence numbers only
+grow).
 
 ``DiskReclaim`` is part of ``DiskTier`` (kept apart to keep each file to one concern). It expects
 the host class to provide ``path``, ``_lock``, ``_books``, ``_index``, ``_segments``, ``_active``,
@@ -32,7 +34,7 @@ import os
 
 from kvstore.buffers import aligned_empty
 from kvstore.tiers.direct_io import ALIGN, pwritev_all
-from kvstore.tiers.disk_files import SegmentFile
+from kvstore.tiers.disk_files import IndexEntry, SegmentFile
 from kvstore.tiers.segment import HEADER_BYTES, footprint, punch_hole
 
 log = logging.getLogger("kvstore.tiers.disk")
@@ -62,13 +64,24 @@ class DiskReclaim:
         self.reclaim()
         return found
 
+    def _remove_record(self, key: bytes, entry: IndexEntry) -> None:
+        """``remove`` ``key`` if ``entry`` is still its record: a read that failed on ``entry`` must
+        not drop the new record of the key that another thread wrote meanwhile."""
+        if self._discard(key, entry):
+            self.reclaim()
+
     def discard(self, key: bytes) -> bool:
         """Forget ``key`` in the books only (see the module docstring)."""
+        return self._discard(key, None)
+
+    def _discard(self, key: bytes, expected: IndexEntry | None) -> bool:
+        """``discard``, only where ``key``'s entry is ``expected`` (None: whichever it is)."""
         with self._books:
             self._check_open()
-            entry = self._index.pop(key, None)
-            if entry is None:
+            entry = self._index.get(key)
+            if entry is None or (expected is not None and entry != expected):
                 return False
+            del self._index[key]
             size = footprint(entry.nbytes)
             segment = self._segments[entry.segment]
             self._unindexed.add(key)

@@ -1,13 +1,14 @@
-"""The disk tier's recovery. On open: load the index and drop entries whose bytes are gone, cut the
-active segment back to its committed tail, delete segments nothing was committed to, rebuild a
-missing index from the segment headers, and punch out bytes no live record covers. While open:
-reopen the index after a write to it failed (``_commit``).
+"""The disk tier's recovery. On open: read the whole index (an index found corrupt is set aside and
+rebuilt, before anything acts on it), drop entries whose bytes are gone, cut the active segment
+back to its committed tail, delete segments nothing was committed to, rebuild a missing index from
+the segment headers, and free bytes no live record covers. While open: reopen the index after a
+write to it failed (``_commit``).
 
 ``DiskRecovery`` is half of ``DiskTier`` (kept apart to keep each file to one concern). It expects
 the host class to provide ``path``, ``direct_io``, ``_segments_dir``, ``_index_dir``, ``_db``,
 ``_unindexed``, ``_books``, ``_write_opt``, ``_index``, ``_segments``, ``_active``, ``_tail``, ``_seq``,
-``_counters``, ``_progress`` and ``_delete_segment``; ``_recover`` runs once, at open, before the
-tier serves anything; ``_commit`` with the tier's lock held.
+``_counters``, ``_progress``, ``_count``, ``_invalidate`` and ``_delete_segment``; ``_recover`` runs
+once, at open, before the tier serves anything; ``_commit`` with the tier's lock held.
 """
 
 from __future__ import annotations
@@ -21,12 +22,14 @@ from rocksdict import WriteBatch
 
 from kvstore.errors import InvalidRequest
 from kvstore.tiers.disk_files import (
-    BLOCK_KEY_PREFIX, FORMAT_KEY, FORMAT_VERSION, NEXT_SEQ_KEY, NEXT_SEQ_VALUE, TAIL_KEY, TAIL_VALUE, IndexEntry,
-    SegmentFile, newest_records, open_index, segment_name,
+    BLOCK_KEY_PREFIX, FORMAT_KEY, FORMAT_VERSION, TAIL_KEY, TAIL_VALUE, CorruptIndex, SegmentFile, StoredIndex,
+    newest_records, open_index, read_index, segment_name, set_aside,
 )
-from kvstore.tiers.segment import footprint, punch_hole
+from kvstore.tiers.segment import HEADER_BYTES, MAGIC, PAGE, RecordHeader, footprint, punch_hole
 
 log = logging.getLogger("kvstore.tiers.disk")
+
+_SCAN_BYTES = 1 << 20  # read at a time when looking for record headers among bytes no record covers
 
 
 class DiskRecovery:
@@ -38,39 +41,49 @@ class DiskRecovery:
         return sorted(ids)
 
     def _recover(self) -> None:
-        stamped = self._db.get(FORMAT_KEY)
-        if stamped is not None and stamped != FORMAT_VERSION:  # another version's: its records would read as garbage
-            raise InvalidRequest(f"disk tier {self.path} holds format {stamped.decode(errors='replace')!r}, and "
-                                 f"this kvstore reads {FORMAT_VERSION.decode()!r}; left as it is: open it with the "
-                                 "kvstore that wrote it, or give this one another directory")
         on_disk = self._segment_ids_on_disk()
-        if stamped is None:
+        stored = self._read_index()
+        if stored.stamp is None:  # a new index, or one lost or set aside: the segments are the truth
             if on_disk:
                 self._rebuild_index(on_disk)
             self._db.put(FORMAT_KEY, FORMAT_VERSION)
-        self._load_index(on_disk)
+            stored = read_index(self._db, self._index_dir)
+        self._load_index(stored, on_disk)
         self._reclaim_uncovered()
 
-    def _load_index(self, on_disk: list[int]) -> None:
+    def _read_index(self) -> StoredIndex:
+        """The whole index, checked to be in this kvstore's format. An index a read finds corrupt
+        (a block failing its checksum) is closed, set aside and replaced by an empty one, which
+        reads as unstamped (to be rebuilt): an index read short must not pass for the truth, or
+        the records it no longer lists would be freed as garbage."""
+        try:
+            stored = read_index(self._db, self._index_dir)
+        except CorruptIndex as exc:
+            self._drop_index()
+            set_aside(self._index_dir, str(exc))
+            self._db = open_index(self._index_dir)
+            return read_index(self._db, self._index_dir)
+        if stored.stamp is not None and stored.stamp != FORMAT_VERSION:  # another version's: records read as garbage
+            raise InvalidRequest(f"disk tier {self.path} holds format {stored.stamp.decode(errors='replace')!r}, and "
+                                 f"this kvstore reads {FORMAT_VERSION.decode()!r}; left as it is: open it with the "
+                                 "kvstore that wrote it, or give this one another directory")
+        return stored
+
+    def _load_index(self, stored: StoredIndex, on_disk: list[int]) -> None:
         sizes = {i: os.path.getsize(os.path.join(self._segments_dir, segment_name(i))) for i in on_disk}
-        tail = self._db.get(TAIL_KEY)
-        tail_segment, tail_offset = TAIL_VALUE.unpack(tail) if tail else (0, 0)
+        tail_segment, tail_offset = stored.tail or (0, 0)
         # Sequence numbers never go back, even past removed blocks: where a removed record's bytes
         # stay (no hole punching), a rebuild must still prefer a newer record of the same key.
-        next_seq = self._db.get(NEXT_SEQ_KEY)
-        self._seq = NEXT_SEQ_VALUE.unpack(next_seq)[0] if next_seq else 0
+        self._seq = stored.next_seq or 0
         lost = WriteBatch(raw_mode=True)
-        for raw_key, raw_value in self._db.items(from_key=BLOCK_KEY_PREFIX):
-            if not raw_key.startswith(BLOCK_KEY_PREFIX):
-                break
-            entry = IndexEntry.decode(raw_value)
+        for key, entry in stored.entries.items():
             beyond_tail = (entry.segment, entry.offset) >= (tail_segment, tail_offset)
             beyond_eof = entry.offset + footprint(entry.nbytes) > sizes.get(entry.segment, -1)
             if beyond_tail or beyond_eof:  # segment missing or cut short
-                lost.delete(raw_key)
+                lost.delete(BLOCK_KEY_PREFIX + key)
                 self._counters["recovered_lost_blocks"] += 1
                 continue
-            self._index[raw_key[1:]] = entry
+            self._index[key] = entry
             self._seq = max(self._seq, entry.seq + 1)
         if self._counters["recovered_lost_blocks"]:
             log.warning("disk tier %s: %d index entries pointed at missing or truncated segments; dropped",
@@ -120,7 +133,8 @@ class DiskRecovery:
         self._db.write(batch)
 
     def _reclaim_uncovered(self) -> None:
-        """Punch every byte range of every segment that no live record covers."""
+        """Free every byte range of every segment that no live record covers (``_free_uncovered``);
+        delete a segment with no live record (but the active one)."""
         covered: dict[int, list[tuple[int, int]]] = {sid: [] for sid in self._segments}
         for entry in self._index.values():
             covered[entry.segment].append((entry.offset, entry.offset + footprint(entry.nbytes)))
@@ -131,9 +145,52 @@ class DiskRecovery:
             cursor = 0
             end_of_file = os.fstat(segment.fd).st_size
             for start, end in sorted(covered[segment_id]) + [(end_of_file, end_of_file)]:
-                if start > cursor and not punch_hole(segment.fd, cursor, start - cursor):
-                    segment.dead_bytes += start - cursor
+                if start > cursor:
+                    self._free_uncovered(segment, cursor, start)
                 cursor = max(cursor, end)
+
+    def _free_uncovered(self, segment: SegmentFile, start: int, end: int) -> None:
+        """Punch ``[start, end)`` of ``segment``, bytes no live record covers, out. Where no hole
+        can be punched (the file system has none, or the punch failed: logged and counted) the
+        bytes count as dead and every record header among them is zeroed, as ``_punch`` does while
+        open: a record whose index delete was committed just before a crash would otherwise come
+        back at the next rebuild (a deleted namespace's block, say). Finding the headers reads the
+        bytes: without hole punching, every dead byte at every open."""
+        try:
+            if punch_hole(segment.fd, start, end - start):
+                return
+        except OSError as exc:
+            self._count("io_errors", 1)
+            log.error("disk tier %s: freeing unreferenced bytes of segment %d failed (%s); they keep counting",
+                      self.path, segment.id, exc)
+        segment.dead_bytes += end - start
+        for offset in self._record_headers(segment, start, end):
+            self._invalidate(segment, offset)
+
+    def _record_headers(self, segment: SegmentFile, start: int, end: int) -> list[int]:
+        """Offsets of the valid record headers in ``[start, end)`` of ``segment``, read
+        ``_SCAN_BYTES`` at a time. Every page is looked at (a zeroed header leaves no length to
+        skip its record by). A read that fails ends the search, logged and counted."""
+        found = []
+        offset = start
+        try:
+            while offset + HEADER_BYTES <= end:
+                span = segment.read(offset, min(_SCAN_BYTES, end - offset))
+                at = 0
+                while at + HEADER_BYTES <= len(span):
+                    page = span[at : at + HEADER_BYTES]
+                    header = RecordHeader.decode(page) if bytes(page[: len(MAGIC)]) == MAGIC else None
+                    if header is not None:
+                        found.append(offset + at)
+                    at += footprint(header.nbytes) if header is not None else PAGE
+                if at == 0:  # the file ends before ``end``
+                    break
+                offset += at
+        except OSError as exc:
+            self._count("io_errors", 1)
+            log.error("disk tier %s: looking for removed records in segment %d failed (%s); an index rebuild "
+                      "may find them again", self.path, segment.id, exc)
+        return found
 
     # ---- while open: the index after a failed write ----------------------------------------
 

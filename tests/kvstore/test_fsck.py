@@ -15,7 +15,7 @@ from kvstore.keys import namespace_hashes
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.segment import HEADER_BYTES, scan_segment
 from tests.conftest import payloads_for
-from tests.kvstore.tiers.disk_helpers import TierOwner, reads_exact
+from tests.kvstore.tiers.disk_helpers import TierOwner, corrupt_index_block, reads_exact, tier_with_index_in_one_sst
 from tests.kvstore.tiers.tmpfs import mounted_tmpfs
 
 
@@ -157,6 +157,18 @@ def test_an_unreadable_index_is_a_reported_problem_not_a_crash(disk_dir, capsys)
     assert "index is unreadable" in out and "PROBLEMS FOUND" in out and err == ""
     repaired = fsck(str(disk_dir), repair=True)  # the index is rebuilt from the segments
     assert repaired.clean and repaired.ok == repaired.indexed_blocks == 10
+
+
+def test_an_index_block_failing_its_checksum_is_unreadable_not_clean(tmp_path):
+    """Before, the check read the index up to the bad block as if it ended there: "clean", with the
+    entries after it counted as orphans (which the next open punched out)."""
+    path = tmp_path / "disk"
+    corrupt_index_block(tier_with_index_in_one_sst(path, 300), "entries")
+    report = fsck(str(path))
+    assert not report.clean and report.index_unreadable and report.ok == 0 and report.orphans == 300
+    assert any("index is unreadable (Corruption: block checksum mismatch" in p for p in report.problems)
+    repaired = fsck(str(path), repair=True)  # the index is rebuilt from the segments
+    assert repaired.clean and repaired.ok == repaired.indexed_blocks == 300 and repaired.orphans == 0
 
 
 def test_fsck_refuses_a_tier_another_process_has_open_and_changes_nothing(disk_dir, capsys):

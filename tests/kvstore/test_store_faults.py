@@ -6,6 +6,7 @@ corrupt record is a miss (a shorter hit), never wrong bytes.
 
 from __future__ import annotations
 
+import errno
 import os
 
 import numpy as np
@@ -416,3 +417,37 @@ def test_checking_a_closed_store_says_it_is_closed(make_store, namespace):
     store.close()
     with pytest.raises(StoreClosed, match="closed"):
         store.check_integrity()
+
+
+def test_a_disk_error_after_a_verified_read_still_serves_the_block_unpromoted(make_store, namespace, spec, chain,
+                                                                              monkeypatch):
+    """Promoting a block read from disk re-read its record header (``DiskTier.meta``), whose EIO
+    escaped ``load`` after the block had been served."""
+    store = make_store(host_bytes=64 << 10, page_bytes=16 << 10, background_writes=False)
+    ns_id = store.register_namespace(namespace)
+    payloads = payloads_for(spec, chain[:1])
+    store.put(ns_id, chain[:1], payloads)
+    store.close()
+    store = make_store(host_bytes=64 << 10, page_bytes=16 << 10, background_writes=False)  # a fresh host tier
+    store.register_namespace(namespace)
+    disk = store.tiers[1]
+    read = disk.read
+
+    def eio(*args, **kwargs):
+        raise OSError(errno.EIO, "injected: Input/output error")
+
+    def read_then_the_device_fails(*args, **kwargs):
+        done = read(*args, **kwargs)
+        monkeypatch.setattr(os, "pread", eio)
+        monkeypatch.setattr(os, "preadv", eio)
+        return done
+
+    disk.read = read_then_the_device_fails
+    dst = np.zeros(spec.block_bytes, np.uint8)
+    result = store.load(ns_id, chain[:1], [dst])
+    monkeypatch.undo()
+    assert result.tiers == ("disk",)
+    np.testing.assert_array_equal(dst, payloads[0])
+    assert store.lookup(ns_id, chain[:1]).tiers == ("disk",)  # not promoted
+    assert store.stats().tier("disk").io_errors == 1
+    store.check_integrity()

@@ -14,6 +14,7 @@ import sys
 import numpy as np
 
 from kvstore.checksum import layer_checksums
+from kvstore.tiers import disk_reclaim, disk_recovery
 from kvstore.tiers.base import BlockMeta
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.segment import footprint, scan_segment
@@ -75,6 +76,34 @@ def flip_byte(file: str, offset: int, mask: int = 0x01) -> None:
     with open(file, "r+b") as f:
         byte = os.pread(f.fileno(), 1, offset)
         os.pwrite(f.fileno(), bytes([byte[0] ^ mask]), offset)
+
+
+def without_hole_punching(monkeypatch) -> None:
+    """A file system that cannot punch holes (NFSv3, some FUSE): the probe at open finds none."""
+    monkeypatch.setattr(disk_reclaim, "punch_hole", lambda fd, offset, length: False)
+    monkeypatch.setattr(disk_recovery, "punch_hole", lambda fd, offset, length: False)
+
+
+def tier_with_index_in_one_sst(path, blocks: int) -> str:
+    """Write blocks ``0..blocks-1`` to a new tier at ``path`` (8 records a segment), flush its
+    index into a single SST file (a table of checksummed blocks), and close it; the file's path."""
+    tier = DiskTier(str(path), 64 << 20, segment_bytes=8 * FP)
+    for i in range(blocks):
+        assert put(tier, i)
+    tier._db.flush()  # the memtable out to an SST file
+    tier.close()
+    [sst] = glob.glob(os.path.join(str(path), "index", "*.sst"))
+    return sst
+
+
+def corrupt_index_block(sst: str, where: str) -> None:
+    """Flip a byte in a data block of the index's SST file: one of block entries ("entries", a
+    third of the way in), or the last, which holds the ``m/`` keys after them ("metadata")."""
+    with open(sst, "rb") as f:
+        data = f.read()
+    offset = len(data) // 3 if where == "entries" else data.find(b"m/format")
+    assert offset > 0, "no format key in the SST file's bytes (compressed?)"
+    flip_byte(sst, offset, 0xFF)
 
 
 # ---- a tier open in another process ------------------------------------------------------------

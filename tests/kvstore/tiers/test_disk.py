@@ -15,7 +15,7 @@ import pytest
 
 from kvstore.errors import InvalidRequest, StoreClosed
 from kvstore.layout import BlockSpec
-from kvstore.tiers import disk_reclaim
+from kvstore.tiers import disk, disk_reclaim
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.segment import HEADER_BYTES, MAX_LAYERS, footprint
 
@@ -234,6 +234,25 @@ def test_durable_mode(open_tier, tmp_path):
     tier = open_tier(durable=True)
     assert all(reads_exact(tier, i) == (i != 2) for i in range(5))
     tier.check_integrity()
+
+
+def test_flush_syncs_the_segments_directory_once_a_segment_file_was_created(open_tier, tmp_path, monkeypatch):
+    """Not durable, a new segment file's directory entry waits for the next flush, which must sync
+    it (before, only ``durable=True`` synced it, at creation: a power loss after a flush could lose
+    a whole segment of flushed records)."""
+    synced = []
+    monkeypatch.setattr(disk, "fsync_directory", synced.append)
+    tier = open_tier(segment_bytes=2 * FP)
+    segments = str(tmp_path / "disk" / "segments")
+    assert put(tier, 0) and put(tier, 1)  # segment 1
+    assert synced == []
+    tier.flush()
+    assert synced == [segments]
+    tier.flush()  # no segment file created since
+    assert synced == [segments]
+    assert put(tier, 2)  # segment 2
+    tier.flush()
+    assert synced == [segments, segments]
 
 
 def test_operations_after_close_raise(open_tier):

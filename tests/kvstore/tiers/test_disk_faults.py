@@ -3,17 +3,21 @@ or a clear error, never wrong bytes, never a crash."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
-from kvstore.tiers import disk_reclaim, disk_recovery
-from kvstore.tiers.segment import HEADER_BYTES
+from kvstore.checksum import layer_checksums
+from kvstore.tiers import disk_reclaim
+from kvstore.tiers.segment import HEADER_BYTES, scan_segment
 
 from tests.kvstore.tiers.disk_helpers import (
     LAYERS, NBYTES, FP, key_of, index_of, payload_of, meta_of, put, reads_exact, locate, flip_byte,
+    without_hole_punching,
 )
 
 
@@ -278,12 +282,6 @@ def test_corrupted_index_is_rebuilt_without_crashing(open_tier, tmp_path, damage
     assert all(reads_exact(tier, i) for i in range(10))
 
 
-def without_hole_punching(monkeypatch) -> None:
-    """A file system that cannot punch holes (NFSv3, some FUSE): the probe at open finds none."""
-    monkeypatch.setattr(disk_reclaim, "punch_hole", lambda fd, offset, length: False)
-    monkeypatch.setattr(disk_recovery, "punch_hole", lambda fd, offset, length: False)
-
-
 @pytest.mark.parametrize("punching", [True, False])
 def test_removed_and_superseded_records_are_not_resurrected_by_a_rebuild(open_tier, tmp_path, monkeypatch, punching):
     """A removed record is punched out, or, where no hole can be punched, its header is zeroed:
@@ -362,4 +360,66 @@ def test_index_write_failure_is_an_io_error_not_a_crash(open_tier):
     tier.check_integrity()  # the record's bytes were cut back off the segment
     assert put(tier, 4)
     assert all(reads_exact(tier, i) == (i != 3) for i in range(5))
+    tier.check_integrity()
+
+
+def test_a_header_read_that_fails_is_no_meta_not_an_error(open_tier, monkeypatch):
+    """``meta`` re-reads the record header; its EIO escaped (the store promotes a block it has just
+    served with it)."""
+    tier = open_tier()
+    assert put(tier, 0)
+
+    def eio(*args, **kwargs):
+        raise OSError(errno.EIO, "injected: Input/output error")
+
+    with monkeypatch.context() as failing:
+        failing.setattr(os, "pread", eio)
+        failing.setattr(os, "preadv", eio)
+        assert tier.meta(key_of(0)) is None
+    assert tier.stats().io_errors == 1
+    assert tier.meta(key_of(0)) == meta_of(payload_of(0)) and reads_exact(tier, 0)  # its entry stays
+
+
+@pytest.mark.parametrize("first_layer, num_layers", [(0, None), (2, 1)], ids=["block", "layer_2"])
+def test_a_record_header_with_another_layer_count_is_a_miss(open_tier, tmp_path, first_layer, num_layers):
+    """A valid header for the key and size but of one layer where the index says four: its checksums
+    cannot verify the entry's layers (reading layer 2 raised ZeroDivisionError, slicing none)."""
+    tier = open_tier()
+    assert put(tier, 0) and put(tier, 1)
+    seg, offset = locate(tmp_path / "disk", key_of(1))
+    header = next(r.header for r in scan_segment(seg, verify=False) if r.offset == offset)
+    one_layer = replace(header, num_layers=1, checksums=layer_checksums(payload_of(1), 1))
+    with open(seg, "r+b") as f:
+        os.pwrite(f.fileno(), one_layer.encode(), offset)
+    assert tier.meta(key_of(1)) is None
+    count = LAYERS - first_layer if num_layers is None else num_layers
+    assert not tier.read(key_of(1), np.zeros(count * NBYTES // LAYERS, np.uint8), first_layer, num_layers)
+    assert tier.stats().checksum_failures == 1 and not tier.contains(key_of(1))
+    assert reads_exact(tier, 0)
+    tier.check_integrity()
+
+
+@pytest.mark.parametrize("segment_bytes, failure", [(8 * FP, "checksum_failures"), (FP, "io_errors")],
+                         ids=["record_punched", "segment_deleted"])
+def test_a_failed_read_leaves_the_record_another_write_stored_meanwhile(open_tier, segment_bytes, failure):
+    """Block 0 is removed and stored again while a read of its old record is under way: the read
+    fails (the old record punched out, or its whole segment deleted) and must drop only that
+    record, not the new one (it removed whatever the key's entry was by then)."""
+    tier = open_tier(segment_bytes=segment_bytes)
+    assert put(tier, 0) and put(tier, 1)
+    newer = payload_of(1000)
+    run_for = tier._run_for  # called once the read has the key's entry, before any I/O
+
+    def rewritten_meanwhile(key, *args):
+        tier._run_for = run_for
+        assert tier.remove(key) and tier.write(key, newer, meta_of(newer))
+        return run_for(key, *args)
+
+    tier._run_for = rewritten_meanwhile
+    assert not tier.read(key_of(0), np.zeros(NBYTES, np.uint8))
+    stats = tier.stats()
+    assert getattr(stats, failure) == 1 and stats.checksum_failures + stats.io_errors == 1
+    dst = np.zeros(NBYTES, np.uint8)
+    assert tier.read(key_of(0), dst) and np.array_equal(dst, newer)
+    assert reads_exact(tier, 1)
     tier.check_integrity()
