@@ -4,7 +4,8 @@ A step has a budget of ``chunk_size`` tokens. Running sequences come first, in a
 each gets ``min(uncomputed tokens, budget left)`` (1 for a decoding sequence, a chunk of its prompt
 for a prefilling one, so a long prompt is prefilled over several steps). Then waiting sequences
 are admitted first come, first served while budget, ``max_running`` and free pages allow; the
-head of the queue is never skipped.
+head of the queue is never skipped. Every running sequence takes at least a token a step, so at
+most ``chunk_size`` run at once whatever ``max_running`` says (a larger one admits no more).
 
 When a running sequence needs a page and none is left, the most recently admitted sequence is
 preempted: its pages are released (the registered ones stay cached, so readmission finds most of

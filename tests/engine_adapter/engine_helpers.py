@@ -159,11 +159,12 @@ class DictConnector(KVConnector):
 
     def save(self, request_id, block_hashes, pages, pool, parent) -> None:
         for block_hash, page in zip(block_hashes, pages):
-            self.demote(block_hash, page, parent, pool)
+            self.demote(block_hash, page, pool, parent)
             parent = block_hash
 
-    def demote(self, block_hash: bytes, page: int, parent: bytes | None, pool) -> None:
-        """Copy one block out of the pool (also usable as the pool's on_evict hook)."""
+    def demote(self, block_hash: bytes, page: int, pool, parent: bytes | None) -> None:
+        """Copy one block out of the pool (``KVConnector.demote``'s order: the engine wires it to
+        the pool's eviction hook)."""
         layers = [pool.layer_page_bytes(layer, page).clone() for layer in range(pool.num_layers)]
         self.blocks[block_hash] = torch.cat(layers)
         self.parents[block_hash] = parent

@@ -92,10 +92,11 @@ def test_a_load_that_fails_after_every_layer_arrived_is_recomputed(v3, chunk_siz
 
 
 def test_evicted_pages_demote_to_the_connector_and_come_back(v3):
-    """pool.on_evict wired to the connector: the device tier demotes instead of dropping."""
+    """The engine wires pool.on_evict to the connector: the device tier demotes instead of
+    dropping. (A test helper's demote took its arguments in another order than the API's; this
+    test wired the hook itself, so the engine's own wiring went untested.)"""
     connector = DictConnector(block_layout(v3.ours, P))
     engine, _ = engine_with(v3.ours, connector, num_pages=6)
-    engine.pool.on_evict = lambda h, page, parent: connector.demote(h, page, parent, engine.pool)
     first, other = prompt_ids(33, seed=23), prompt_ids(30, seed=24)
     engine.run([Request(first, NEW)])
     connector.blocks.clear()  # forget the saves: whatever comes back now was demoted on eviction
@@ -104,6 +105,7 @@ def test_evicted_pages_demote_to_the_connector_and_come_back(v3):
     assert set(hashes[1:4]) <= set(connector.blocks) and hashes[0] not in connector.blocks
     [again] = engine.run([Request(first, NEW)])
     assert (again.stats.device_hit_tokens, again.stats.connector_hit_tokens) == (8, 24)
+    assert engine.pool.failed_demotions == 0
     engine.check_integrity()
 
 
