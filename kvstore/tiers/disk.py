@@ -189,7 +189,7 @@ class DiskTier(DiskRecovery, DiskReclaim, Tier):
             self._count("io_errors", 1)
             log.warning("disk tier %s: reading a block's header failed (%s)", self.path, exc)
             return None
-        if not _describes(header, key, entry):  # overwritten or zeroed under its entry: no record of it
+        if not entry.described_by(header, key):  # overwritten or zeroed under its entry: no record of it
             return None
         return BlockMeta(entry.nbytes, entry.num_layers, header.checksums, entry.parent)
 
@@ -341,7 +341,7 @@ class DiskTier(DiskRecovery, DiskReclaim, Tier):
         """Copy ``data`` into ``dst`` if the record verifies (``header_page`` None: it was read short);
         otherwise drop the block (``entry``, unless another write replaced it meanwhile) and count it."""
         header = RecordHeader.decode(header_page) if header_page is not None else None
-        if not (_describes(header, key, entry)
+        if not (entry.described_by(header, key)
                 and layers_match(data, header.checksums[first_layer : first_layer + count])):
             self._count("checksum_failures", 1)
             log.warning("disk tier %s: block failed verification; dropped", self.path)
@@ -399,10 +399,7 @@ class DiskTier(DiskRecovery, DiskReclaim, Tier):
     def _read_header(self, entry: IndexEntry) -> RecordHeader | None:
         """The record header at ``entry``; None where there is none (segment gone, file cut short)."""
         segment = self._segments.get(entry.segment)
-        if segment is None:
-            return None
-        page = segment.read(entry.offset, HEADER_BYTES)
-        return RecordHeader.decode(page) if len(page) == HEADER_BYTES else None
+        return segment.read_header(entry.offset) if segment is not None else None
 
     # ---- maintenance -------------------------------------------------------------------
 
@@ -501,10 +498,3 @@ class DiskTier(DiskRecovery, DiskReclaim, Tier):
     def _check_open(self) -> None:
         if self._closed:
             raise StoreClosed(f"disk tier at {self.path} is closed")
-
-
-def _describes(header: RecordHeader | None, key: bytes, entry: IndexEntry) -> bool:
-    """Whether ``header`` is the record ``entry`` indexes for ``key``: its key, size and layer count
-    (a record of another shape, its checksums sliced by the entry's layers, is no record of it)."""
-    return (header is not None and header.key == key and header.nbytes == entry.nbytes
-            and header.num_layers == entry.num_layers)

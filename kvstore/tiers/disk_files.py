@@ -25,7 +25,7 @@ from rocksdict import Options, Rdict
 from kvstore.errors import NotPermitted
 from kvstore.sizing import format_bytes
 from kvstore.tiers.direct_io import open_direct, read_direct
-from kvstore.tiers.segment import footprint, scan_segment
+from kvstore.tiers.segment import HEADER_BYTES, RecordHeader, footprint, scan_segment
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,12 @@ class IndexEntry:
         segment, offset, nbytes, num_layers, seq, parent, has_parent = _ENTRY.unpack(raw)
         return cls(segment, offset, nbytes, num_layers, seq, parent if has_parent else None)
 
+    def described_by(self, header: RecordHeader | None, key: bytes) -> bool:
+        """Whether ``header`` is the record this entry indexes for ``key``: its key, size and layer
+        count (a record of another shape, its checksums sliced by this entry's layers, is no record of it)."""
+        return (header is not None and header.key == key and header.nbytes == self.nbytes
+                and header.num_layers == self.num_layers)
+
 
 class SegmentFile:
     """One segment file (created if missing), open through one read-write descriptor ``fd`` for
@@ -97,6 +103,11 @@ class SegmentFile:
         if self.direct:
             return read_direct(self.fd, offset, length)
         return os.pread(self.fd, length, offset)
+
+    def read_header(self, offset: int) -> RecordHeader | None:
+        """The record header at ``offset``; None where the file ends before a whole header page."""
+        page = self.read(offset, HEADER_BYTES)
+        return RecordHeader.decode(page) if len(page) == HEADER_BYTES else None
 
     def __del__(self) -> None:
         fd, self.fd = getattr(self, "fd", None), None
