@@ -416,12 +416,13 @@ class TieredStore(PlacementMixin, LeaseHolderMixin):
             tier.reclaim()
         return len(keys)
 
-    def flush(self) -> None:
-        """Wait for background writes, then make every tier's completed writes durable."""
+    def flush(self) -> bool:
+        """Wait for background writes, then make every tier's completed writes durable; whether every
+        tier succeeded (a tier's failure is logged and counted in its ``io_errors``, never raised)."""
         if self._writer is not None:
             self._writer.drain()
-        for tier in self.tiers:
-            tier.flush()
+        flushed = [tier.flush() for tier in self.tiers]
+        return all(flushed)
 
     def stats(self) -> StoreStats:
         with self._lock:

@@ -41,12 +41,11 @@ def flush_durable(store: TieredStore, ns_id: bytes, hashes: list[bytes]) -> bool
     then fsyncs what the disk tier had written by then. A block the disk holds only after that
     (a racing put's copy of it landing meanwhile, ours being a duplicate) was fsynced by nothing,
     so once every block is found there the store is flushed again: durable means written before
-    a flush that completed."""
-    store.flush()
-    if not on_disk(store, ns_id, hashes):
+    a flush that completed. A flush that failed (an fsync error, since which the tier promises
+    nothing) answers False."""
+    if not store.flush() or not on_disk(store, ns_id, hashes):
         return False
-    store.flush()
-    return True
+    return store.flush()
 
 
 def release_quietly(store: TieredStore, lease_id: int) -> None:

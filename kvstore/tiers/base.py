@@ -182,8 +182,10 @@ class Tier(ABC):
     @abstractmethod
     def stats(self) -> TierStats: ...
 
-    def flush(self) -> None:
-        """Make every completed write durable (no-op for volatile tiers)."""
+    def flush(self) -> bool:
+        """Make every completed write durable; whether that succeeded (a volatile tier has nothing
+        to make durable: True)."""
+        return True
 
     def close(self) -> None:
         """Release the tier's resources; the tier is unusable afterwards."""

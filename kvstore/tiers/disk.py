@@ -119,6 +119,7 @@ class DiskTier(DiskRecovery, DiskReclaim, Tier):
         self._reservations: dict[bytes, int] = {}  # key -> footprint set aside for its write (``reserve``)
         self._punches = True  # whether the file system punches holes (probed at open)
         self._unsynced_directory = False  # a segment file created since the segments directory was synced
+        self._sync_failed = False  # an fsync failed: written pages may be lost whatever later ones say
         os.makedirs(self.path, exist_ok=True)
         self._dir_lock = DirectoryLock(self.path)  # first: another process's directory is never touched
         raise_open_files_limit("a disk tier holds one descriptor per segment file")
@@ -403,22 +404,18 @@ class DiskTier(DiskRecovery, DiskReclaim, Tier):
 
     # ---- maintenance -------------------------------------------------------------------
 
-    def flush(self) -> None:
+    def flush(self) -> bool:
         """fdatasync the segments written to and the segments directory where a segment file was
-        created since, then the index with the deletes still to be committed and its log. A failure
-        is logged and counted as an io_error, never raised: I/O failure of the tier is no caller's
-        error, and a store closes its tiers after flushing them."""
+        created since, then the index with the deletes still to be committed and its log; whether
+        all of it succeeded. A failure is logged and counted as an io_error, never raised: I/O
+        failure of the tier is no caller's error, and a store closes its tiers after flushing them.
+        Once an fsync failed no later flush says True until the tier is reopened: the kernel may
+        have dropped the pages it could not write, and a later fsync reports nothing of them."""
         with self._lock:
             if self._closed:
-                return
+                return False
             try:
-                for segment in self._segments.values():
-                    if segment.dirty:
-                        os.fdatasync(segment.fd)
-                        segment.dirty = False
-                if self._unsynced_directory:
-                    fsync_directory(self._segments_dir)
-                    self._unsynced_directory = False
+                self._sync_files()
                 if self._unindexed or self._holes or self._db is None:
                     self._commit_and_punch({})
                 try:
@@ -430,6 +427,24 @@ class DiskTier(DiskRecovery, DiskReclaim, Tier):
                 self._count("io_errors", 1)
                 log.error("disk tier %s: flush failed (%s); what was written since the last flush may not "
                           "survive a crash", self.path, exc)
+                return False
+            return not self._sync_failed
+
+    def _sync_files(self) -> None:
+        """fdatasync the dirty segments, then the segments directory if it changed. Caller holds ``_lock``."""
+        try:
+            for segment in self._segments.values():
+                if segment.dirty:
+                    os.fdatasync(segment.fd)
+                    segment.dirty = False
+            if self._unsynced_directory:
+                fsync_directory(self._segments_dir)
+                self._unsynced_directory = False
+        except OSError:
+            if not self._sync_failed:
+                log.error("disk tier %s: an fsync failed; no flush says durable until the tier is reopened", self.path)
+            self._sync_failed = True
+            raise
 
     def drop_page_cache(self) -> None:
         """Flush, then ask the kernel to drop these segments' cached pages (for cold-read tests)."""
@@ -440,23 +455,6 @@ class DiskTier(DiskRecovery, DiskReclaim, Tier):
     def allocated_bytes(self) -> int:
         """Bytes the file system really holds for the segments (holes excluded)."""
         return sum(os.fstat(s.fd).st_blocks * 512 for s in list(self._segments.values()))
-
-    def check_integrity(self) -> None:
-        with self._lock:
-            with self._books:  # the books alone: a discard never waits for the file checks below
-                live: dict[int, int] = {sid: 0 for sid in self._segments}
-                for key, entry in self._index.items():
-                    assert len(key) == KEY_BYTES, "malformed key in the disk index"
-                    assert entry.segment in self._segments, f"entry points at missing segment {entry.segment}"
-                    live[entry.segment] += footprint(entry.nbytes)
-                for sid, segment in self._segments.items():
-                    assert live[sid] == segment.live_bytes, f"segment {sid}: live bytes disagree with the index"
-                segments = list(self._segments.values())
-            for segment in segments:
-                assert os.path.exists(segment.path), f"segment file {segment.path} vanished"
-            assert self.used_bytes <= self.capacity_bytes, "disk tier over capacity"
-            if self._active is not None:
-                assert os.fstat(self._active.fd).st_size == self._tail, "active segment longer than its tail"
 
     def stats(self) -> TierStats:
         with self._counters_lock:

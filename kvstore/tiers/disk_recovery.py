@@ -2,13 +2,14 @@
 rebuilt, before anything acts on it), drop entries whose bytes are gone, cut the active segment
 back to its committed tail, delete segments nothing was committed to, rebuild a missing index from
 the segment headers, and free bytes no live record covers. While open: reopen the index after a
-write to it failed (``_commit``).
+write to it failed (``_commit``); check the books against the files (``check_integrity``).
 
 ``DiskRecovery`` is half of ``DiskTier`` (kept apart to keep each file to one concern). It expects
 the host class to provide ``path``, ``direct_io``, ``_segments_dir``, ``_index_dir``, ``_db``,
 ``_unindexed``, ``_books``, ``_write_opt``, ``_index``, ``_segments``, ``_active``, ``_tail``, ``_seq``,
-``_counters``, ``_progress``, ``_count``, ``_invalidate`` and ``_delete_segment``; ``_recover`` runs
-once, at open, before the tier serves anything; ``_commit`` with the tier's lock held.
+``_counters``, ``_progress``, ``_lock``, ``used_bytes``, ``capacity_bytes``, ``_count``, ``_invalidate``
+and ``_delete_segment``; ``_recover`` runs once, at open, before the tier serves anything; ``_commit``
+with the tier's lock held.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import resource
 from rocksdict import WriteBatch
 
 from kvstore.errors import InvalidRequest
+from kvstore.tiers.base import KEY_BYTES
 from kvstore.tiers.disk_files import (
     BLOCK_KEY_PREFIX, FORMAT_KEY, FORMAT_VERSION, TAIL_KEY, TAIL_VALUE, CorruptIndex, SegmentFile, StoredIndex,
     newest_records, open_index, read_index, segment_name, set_aside,
@@ -226,3 +228,20 @@ class DiskRecovery:
                 db.close()
             except Exception:
                 pass
+
+    def check_integrity(self) -> None:
+        with self._lock:
+            with self._books:  # the books alone: a discard never waits for the file checks below
+                live: dict[int, int] = {sid: 0 for sid in self._segments}
+                for key, entry in self._index.items():
+                    assert len(key) == KEY_BYTES, "malformed key in the disk index"
+                    assert entry.segment in self._segments, f"entry points at missing segment {entry.segment}"
+                    live[entry.segment] += footprint(entry.nbytes)
+                for sid, segment in self._segments.items():
+                    assert live[sid] == segment.live_bytes, f"segment {sid}: live bytes disagree with the index"
+                segments = list(self._segments.values())
+            for segment in segments:
+                assert os.path.exists(segment.path), f"segment file {segment.path} vanished"
+            assert self.used_bytes <= self.capacity_bytes, "disk tier over capacity"
+            if self._active is not None:
+                assert os.fstat(self._active.fd).st_size == self._tail, "active segment longer than its tail"

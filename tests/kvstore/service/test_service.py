@@ -7,6 +7,8 @@ that the message says what would be valid, and that the server goes on serving.
 from __future__ import annotations
 
 import asyncio
+import errno
+import os
 import threading
 from dataclasses import replace
 
@@ -449,11 +451,12 @@ def test_a_duplicate_is_durable_only_once_a_flush_followed_its_copy_reaching_the
         return written
 
     def flush_then_let_the_copy_land():
-        flush()
+        flushed = flush()
         events.append("flushed")
         if a_copying.is_set() and not copy_may_land.is_set():
             copy_may_land.set()
             copy_landed.wait(10)
+        return flushed
 
     disk.write, disk.flush = a_slow_copy, flush_then_let_the_copy_land
     server = start_server(store, durable_puts=True)
@@ -473,3 +476,33 @@ def test_a_duplicate_is_durable_only_once_a_flush_followed_its_copy_reaching_the
     assert reply.duplicates == 1 and disk.contains(ns_id + chain[0])
     assert reply.durable, "the block is on the disk and a flush followed"
     assert events[:2] == ["flushed", "written"] and "flushed" in events[2:], "synced after it was written"
+
+
+def test_a_put_is_not_durable_when_the_disk_tier_could_not_fsync(make_store, start_server, namespace, spec, chain,
+                                                                 monkeypatch):
+    """The disk tier logged a failed fsync and the put was answered durable=True: a crash could lose
+    it. Now the answer is False, for that put and every later one, until the tier is reopened."""
+    store = make_store(host_bytes=1 << 20, disk_bytes=4 << 20, background_writes=False)
+    ns_id = store.register_namespace(namespace)
+    server = start_server(store, durable_puts=True)
+    payloads = payloads_for(spec, chain[:3])
+
+    def put(i):
+        with grpc.insecure_channel(server.target) as channel:
+            header = pb.PutHeader(namespace_id=ns_id, block_hashes=chain[i:i + 1], block_bytes=spec.block_bytes,
+                                  parent=chain[i - 1] if i else None)
+            chunk = pb.Chunk(block_index=0, offset=0, data=payloads[i].tobytes())
+            return KVStoreStub(channel).Put(iter([pb.PutRequest(header=header), pb.PutRequest(chunk=chunk)]),
+                                            timeout=30)
+
+    def eio(fd):
+        raise OSError(errno.EIO, "injected: Input/output error")
+
+    assert put(0).durable
+    with monkeypatch.context() as broken:
+        broken.setattr(os, "fdatasync", eio)
+        reply = put(1)
+    assert reply.stored == 1 and not reply.durable
+    reply = put(2)
+    assert reply.stored == 1 and not reply.durable, "an fsync failed since: nothing written is known durable"
+    assert store.tiers[1].contains(ns_id + chain[2]) and store.tiers[1].stats().io_errors == 1

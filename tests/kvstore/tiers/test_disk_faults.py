@@ -423,3 +423,31 @@ def test_a_failed_read_leaves_the_record_another_write_stored_meanwhile(open_tie
     assert tier.read(key_of(0), dst) and np.array_equal(dst, newer)
     assert reads_exact(tier, 1)
     tier.check_integrity()
+
+
+@pytest.mark.parametrize("failing", ["fdatasync", "fsync"], ids=["segment", "directory"])
+def test_a_failed_fsync_makes_every_later_flush_say_not_durable_until_reopened(open_tier, monkeypatch, failing):
+    """A flush whose fsync failed was logged and returned nothing, so a durable put was answered
+    durable all the same. And once an fsync failed, the kernel may have dropped the pages it could
+    not write: a later fsync that succeeds proves nothing of them. So flush says False from then
+    on, until the tier is reopened (which reads back what really is on the disk)."""
+    tier = open_tier()
+    assert put(tier, 0) and tier.flush()
+    assert put(tier, 1)
+    if failing == "fsync":
+        tier._unsynced_directory = True  # as after creating a segment file
+
+    def eio(fd):
+        raise OSError(errno.EIO, "injected: Input/output error")
+
+    with monkeypatch.context() as broken:
+        broken.setattr(os, failing, eio)
+        assert tier.flush() is False
+    assert tier.stats().io_errors == 1
+    assert put(tier, 2)
+    assert tier.flush() is False, "the fsync works again, but the pages it failed on may be lost"
+    assert tier.stats().io_errors == 1 and all(reads_exact(tier, i) for i in range(3))
+    tier.close()
+    tier = open_tier()
+    assert reads_exact(tier, 2) and tier.flush() is True
+    tier.check_integrity()
