@@ -131,7 +131,8 @@ class TieredStore(PlacementMixin, LeaseHolderMixin):
             raise UnknownNamespace(f"namespace {ns_id.hex()} is not registered; call register_namespace first") from None
 
     def namespaces(self) -> list[Namespace]:
-        return [ns for ns, _ in self._namespaces.values()]
+        with self._lock:  # register_namespace adds to the dict meanwhile, from another thread
+            return [ns for ns, _ in self._namespaces.values()]
 
     # ---- lookup ------------------------------------------------------------------------
 

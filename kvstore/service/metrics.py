@@ -24,6 +24,7 @@ namespaces get ``MODEL/ID8`` (model name, first 8 hex digits of the id), later o
 from __future__ import annotations
 
 import collections
+import math
 import re
 import threading
 import time
@@ -133,6 +134,7 @@ class ServiceMetrics:
         self._max_recent_lookups, self._max_recent_keys, self._recent_keys = recent_lookups, recent_keys, 0
         self._recent_latencies = {kind: collections.deque(maxlen=recent_latencies) for kind in ("lookup", "load", "put")}
         self._lock = threading.Lock()
+        self._traffic = threading.Lock()  # a lookup's counters change together, and ``totals`` reads them so
 
     def watch_data_plane(self, data_plane) -> None:
         """Export the counters of a ``DataPlaneServer`` (kvstore.service.dataplane) at scrape time."""
@@ -145,10 +147,11 @@ class ServiceMetrics:
         """A Lookup of ``keys`` (block hashes) whose contiguous hit was served by ``hit_tiers``."""
         spec = self.store.spec(ns_id)
         label = self.namespace_label(ns_id)
-        self.lookups.labels(label).inc()
-        self.lookup_tokens.labels(label).inc(len(keys) * spec.block_size)
-        for tier, blocks in collections.Counter(hit_tiers).items():
-            self.hit_tokens.labels(label, tier).inc(blocks * spec.block_size)
+        with self._traffic:  # a lookup's tokens and hits in the same ``totals``: no hit rate above 1
+            self.lookups.labels(label).inc()
+            self.lookup_tokens.labels(label).inc(len(keys) * spec.block_size)
+            for tier, blocks in collections.Counter(hit_tiers).items():
+                self.hit_tokens.labels(label, tier).inc(blocks * spec.block_size)
         self.lookup_seconds.observe(seconds)
         record = LookupRecord(time.time(), label, tuple(ns_id + h for h in keys), spec.block_bytes,
                               spec.block_size, len(hit_tiers))
@@ -212,18 +215,24 @@ class ServiceMetrics:
         with self._lock:
             return [r for r in self._recent_lookups if r.time_s >= since_s]
 
-    def recent_latencies(self, kind: str, since_s: float = 0.0) -> list[float]:
-        """Latencies in seconds of recent ``kind`` calls ("lookup", "load" or "put") since ``since_s``."""
+    def recent_latencies(self, kind: str, since_s: float = 0.0, until_s: float = math.inf) -> list[float]:
+        """Latencies in seconds of recent ``kind`` calls ("lookup", "load" or "put") recorded in
+        ``[since_s, until_s)``: consecutive intervals count each call once."""
         with self._lock:
-            return [s for t, s in self._recent_latencies[kind] if t >= since_s]
+            return [s for t, s in self._recent_latencies[kind] if since_s <= t < until_s]
 
     def totals(self) -> dict:
         """Every counter of this registry summed per label set: {metric: {label tuple: value}}.
 
-        Sample names keep Prometheus's ``_total``/``_sum``/``_count``/``_bucket`` suffixes.
+        Sample names keep Prometheus's ``_total``/``_sum``/``_count``/``_bucket`` suffixes. The
+        lookup counters are read together, none of a lookup's increments in and others out.
         """
+        traffic_metrics = (self.lookups, self.lookup_tokens, self.hit_tokens)
+        with self._traffic:
+            traffic = [family for metric in traffic_metrics for family in metric.collect()]
+        names = {family.name for family in traffic}
         out: dict[str, dict[tuple, float]] = collections.defaultdict(dict)
-        for family in self.registry.collect():
+        for family in [*traffic, *(f for f in self.registry.collect() if f.name not in names)]:
             for sample in family.samples:
                 if sample.name.endswith("_created"):
                     continue

@@ -58,6 +58,7 @@ class HostTier(Tier):
         self._slot_sizes: set[int] = set()  # slot sizes allocated so far (each checked for waste once)
         self._lock = threading.Lock()
         self._bytes_read = 0
+        self._bytes_read_lock = threading.Lock()  # reads run on many threads without ``_lock``
         self._bytes_written = 0
         self._closed = False
 
@@ -186,7 +187,8 @@ class HostTier(Tier):
         assert 0 <= first_layer and first_layer + count <= meta.num_layers, "layer range checked by the store (bug)"
         start = offset + first_layer * meta.layer_bytes
         np.copyto(dst, self._arena[start : start + count * meta.layer_bytes])
-        self._bytes_read += dst.nbytes
+        with self._bytes_read_lock:
+            self._bytes_read += dst.nbytes
         return True
 
     def remove(self, key: bytes) -> bool:

@@ -8,6 +8,7 @@ only state of its own, and only ``sample`` (or the ``run`` loop calling it) writ
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import threading
 import time
@@ -22,6 +23,8 @@ from kvstore.service.dashboard.models import HitRateCurve, Namespaces, Summary, 
 from kvstore.service.dashboard.readings import by_label
 from kvstore.service.dashboard.summary import namespaces, summary
 from kvstore.service.metrics import ServiceMetrics
+
+log = logging.getLogger(__name__)
 
 STATIC_DIR = Path(__file__).parent / "static"
 STATIC_FILES = frozenset(p.name for p in STATIC_DIR.iterdir() if p.is_file())  # all /static/ may serve
@@ -60,14 +63,18 @@ class Dashboard:
         with self._sampling:
             latest = self.history.latest()
             now = time.time()
-            latencies = self.metrics.recent_latencies("load", latest.time_s) if latest else []
+            latencies = self.metrics.recent_latencies("load", latest.time_s, now) if latest else []
             self.history.add(take_sample(self.metrics.totals(), now, latencies))
 
     async def run(self) -> None:
-        """Sample every ``sample_interval_s`` until cancelled (off the event loop: it reads the store)."""
+        """Sample every ``sample_interval_s`` until cancelled (off the event loop: it reads the store).
+        A sample that fails is logged and skipped; the next one is taken on time."""
         while True:
             await asyncio.sleep(self.sample_interval_s)
-            await asyncio.to_thread(self.sample)
+            try:
+                await asyncio.to_thread(self.sample)
+            except Exception:
+                log.exception("dashboard: a history sample failed; sampling goes on")
 
     def summary(self) -> Summary:
         return summary(self.metrics.totals(), time.time() - self.metrics.started_s)

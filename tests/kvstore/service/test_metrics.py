@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+import threading
 import time
 
 import grpc
@@ -18,7 +20,8 @@ from kvstore.service.http import create_http_app
 from kvstore.service.metrics import METRIC_NAMES, NamespaceLabels, ServiceMetrics
 from kvstore.service.v1 import kvstore_pb2 as pb
 from kvstore.service.v1.kvstore_pb2_grpc import KVStoreStub
-from tests.conftest import payloads_for
+from kvstore.service.dashboard.history import point_between, take_sample
+from tests.conftest import payloads_for, tiny_namespace
 
 
 def scrape(registry) -> dict[tuple, float]:
@@ -252,3 +255,74 @@ def test_the_recent_lookup_record_is_capped_by_keys_as_well_as_lookups(store, na
     for _ in range(20):
         metrics.lookup(ns_id, big[:1], (), 0.001)
     assert len(metrics.recent_lookups()) == 8
+
+
+@pytest.fixture
+def fast_switching():
+    """Threads switch every 10 us instead of every 5 ms, so races show within a second."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    yield
+    sys.setswitchinterval(interval)
+
+
+def test_a_namespace_label_made_while_namespaces_register_does_not_fail(store, fast_switching):
+    """Making a label scanned the store's namespaces without its lock while RegisterNamespace added
+    to them on another thread: "dictionary changed size during iteration", and the call that was
+    being counted (its lease already granted) answered UNKNOWN."""
+    first = store.register_namespace(tiny_namespace(model="first"))
+    for i in range(200):
+        store.register_namespace(tiny_namespace(model=f"before{i}"))
+    metrics, errors, stop = ServiceMetrics(store), [], threading.Event()
+
+    def register():
+        i = 0
+        while not stop.is_set():
+            store.register_namespace(tiny_namespace(model=f"during{i}"))
+            i += 1
+
+    def label():
+        while not stop.is_set():
+            metrics.namespaces = NamespaceLabels(32)  # a fresh label each time: the namespaces are scanned
+            try:
+                assert metrics.namespace_label(first).startswith("first/")
+            except RuntimeError as exc:
+                errors.append(exc)
+
+    threads = [threading.Thread(target=register), threading.Thread(target=label)]
+    for thread in threads:
+        thread.start()
+    time.sleep(1.5)
+    stop.set()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+
+
+def test_totals_hold_each_lookups_tokens_and_hits_together(store, namespace, spec, chain, fast_switching):
+    """``totals`` read the lookup counters one by one while lookups counted, so an interval could
+    hold a lookup's hits but not its tokens: a hit rate above 1 on the dashboard."""
+    ns_id = store.register_namespace(namespace)
+    store.put(ns_id, chain[:2], payloads_for(spec, chain[:2]))
+    metrics, stop = ServiceMetrics(store), threading.Event()
+    hit_tiers = store.lookup(ns_id, chain[:2]).tiers
+
+    def traffic():  # every lookup hits all its tokens: every interval's hit rate is exactly 1
+        while not stop.is_set():
+            metrics.lookup(ns_id, chain[:2], hit_tiers, 0.0)
+
+    worker = threading.Thread(target=traffic)
+    worker.start()
+    rates = []
+    try:
+        before = take_sample(metrics.totals(), time.time(), [])
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            after = take_sample(metrics.totals(), time.time() + len(rates) * 1e-6, [])
+            rates.append(point_between(before, after).hit_rate)
+            before = after
+    finally:
+        stop.set()
+        worker.join()
+    measured = [rate for rate in rates if rate is not None]
+    assert measured and all(rate == 1.0 for rate in measured), sorted(measured)[-3:]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from fastapi import FastAPI
@@ -66,6 +67,45 @@ def test_run_samples_until_cancelled(metrics):
 
     asyncio.run(run_briefly())
     assert len(dashboard.history.points(since_s=0)) >= 3
+
+
+def test_a_sample_that_fails_is_logged_and_sampling_goes_on(metrics, monkeypatch, caplog):
+    """One failed ``totals`` ended the sampling task for good: the history froze, silently."""
+    dashboard = Dashboard(metrics, sample_interval_s=0.02, history_s=10.0)
+    totals, failures = metrics.totals, []
+
+    def fails_once():
+        if not failures:
+            failures.append(1)
+            raise OSError("injected: a transient failure")
+        return totals()
+
+    monkeypatch.setattr(metrics, "totals", fails_once)
+
+    async def run_briefly():
+        task = asyncio.create_task(dashboard.run())
+        await asyncio.sleep(0.3)
+        task.cancel()
+
+    asyncio.run(run_briefly())
+    assert failures and len(dashboard.history.points(since_s=0)) >= 3
+    assert "a history sample failed" in caplog.text
+
+
+def test_a_load_latency_counts_in_one_interval_only(metrics, monkeypatch):
+    """A sample read the latencies since the previous sample's time with no upper bound, so one
+    recorded between the sample's own time and that read counted in its interval and the next."""
+    dashboard = Dashboard(metrics, sample_interval_s=1.0)
+    started = dashboard.history.latest().time_s
+    time.sleep(0.01)
+    metrics.load_took("bytes", 0.25)
+    recorded = time.time()
+    with monkeypatch.context() as clock:  # the sample's time falls before the load was recorded
+        clock.setattr(time, "time", lambda: (started + recorded) / 2)
+        dashboard.sample()
+    dashboard.sample()
+    counts = [point.load_latency_s.count for point in dashboard.history.points(since_s=0)]
+    assert counts == [0, 1]
 
 
 def test_bad_intervals_are_refused(metrics):
