@@ -44,15 +44,16 @@ LOAD_PATHS = ("bytes", "shm")  # what Get sent; the slots of a GetSlots grant th
 
 
 @dataclass(frozen=True)
-class LookupRecord:
-    """One Lookup as the dashboard's hit-rate curve needs it."""
+class TrafficRecord:
+    """One Lookup, or one Put (``put``), as the dashboard's hit-rate curve needs it."""
 
     time_s: float
     namespace: str  # its label
-    keys: tuple[bytes, ...]  # namespace id + block hash, 32 bytes each, the whole requested chain
+    keys: tuple[bytes, ...]  # namespace id + block hash, 32 bytes each: the requested chain, or the blocks put
     block_bytes: int
     block_size: int
-    hit_blocks: int
+    hit_blocks: int  # of a Lookup: the contiguous hit the store answered; 0 for a Put
+    put: bool = False
 
 
 class NamespaceLabels:
@@ -89,13 +90,13 @@ class ServiceMetrics:
     """The sidecar's metrics: call ``lookup``/``load``/``put``/... from the servicer.
 
     Thread-safe (prometheus_client metrics are; the recent-traffic deques take a lock). Keeps the
-    last ``recent_lookups`` lookups (their keys), and of those no more than ``recent_keys`` keys in
-    all, and ``recent_latencies`` latencies per kind for the dashboard. The dashboard's curve
-    replays 65,536 accesses (``curve_report.MAX_ACCESSES``); a cap by lookups alone let a client
-    sending 16,384-hash lookups grow the record to 2.8 GiB.
+    last ``recent_records`` lookups and puts (their keys), and of those no more than ``recent_keys``
+    keys in all, and ``recent_latencies`` latencies per kind for the dashboard. The dashboard's
+    curve replays 65,536 block events (``curve_report.MAX_ACCESSES``); a cap by lookups alone let a
+    client sending 16,384-hash lookups grow the record to 2.8 GiB.
     """
 
-    def __init__(self, store: TieredStore, max_namespaces: int = 32, recent_lookups: int = 2048,
+    def __init__(self, store: TieredStore, max_namespaces: int = 32, recent_records: int = 2048,
                  recent_latencies: int = 4096, recent_keys: int = 2 * 65_536):
         self.store = store
         self.registry = CollectorRegistry()
@@ -130,8 +131,8 @@ class ServiceMetrics:
         self.put_seconds = Histogram("kvstore_put_duration_seconds", "Put call latency",
                                      buckets=LATENCY_BUCKETS_S, registry=r)
         r.register(StoreCollector(store))
-        self._recent_lookups: collections.deque[LookupRecord] = collections.deque()
-        self._max_recent_lookups, self._max_recent_keys, self._recent_keys = recent_lookups, recent_keys, 0
+        self._recent: collections.deque[TrafficRecord] = collections.deque()
+        self._max_recent_records, self._max_recent_keys, self._recent_keys = recent_records, recent_keys, 0
         self._recent_latencies = {kind: collections.deque(maxlen=recent_latencies) for kind in ("lookup", "load", "put")}
         self._lock = threading.Lock()
         self._traffic = threading.Lock()  # a lookup's counters change together, and ``totals`` reads them so
@@ -153,18 +154,18 @@ class ServiceMetrics:
             for tier, blocks in collections.Counter(hit_tiers).items():
                 self.hit_tokens.labels(label, tier).inc(blocks * spec.block_size)
         self.lookup_seconds.observe(seconds)
-        record = LookupRecord(time.time(), label, tuple(ns_id + h for h in keys), spec.block_bytes,
-                              spec.block_size, len(hit_tiers))
+        record = TrafficRecord(time.time(), label, tuple(ns_id + h for h in keys), spec.block_bytes,
+                               spec.block_size, len(hit_tiers))
         with self._lock:
             self._remember(record)
             self._recent_latencies["lookup"].append((record.time_s, seconds))
 
-    def _remember(self, record: LookupRecord) -> None:
+    def _remember(self, record: TrafficRecord) -> None:
         """Append ``record``, dropping the oldest past either cap (the newest always stays). Caller holds the lock."""
-        recent = self._recent_lookups
+        recent = self._recent
         recent.append(record)
         self._recent_keys += len(record.keys)
-        while len(recent) > 1 and (len(recent) > self._max_recent_lookups or self._recent_keys > self._max_recent_keys):
+        while len(recent) > 1 and (len(recent) > self._max_recent_records or self._recent_keys > self._max_recent_keys):
             self._recent_keys -= len(recent.popleft().keys)
 
     def load_took(self, path: str, seconds: float) -> None:
@@ -180,14 +181,21 @@ class ServiceMetrics:
             self.loaded_tokens.labels(tier, path).inc(blocks * spec.block_size)
             self.loaded_bytes.labels(tier, path).inc(blocks * spec.block_bytes)
 
-    def put(self, ns_id: bytes, stored: int, duplicates: int, rejected: int, nbytes: int, seconds: float) -> None:
+    def put(self, ns_id: bytes, keys: Sequence[bytes], stored: int, duplicates: int, rejected: int, nbytes: int,
+            seconds: float) -> None:
+        """A Put (or CommitSlots) of ``keys`` (block hashes) and how the store took its blocks."""
+        spec = self.store.spec(ns_id)
         label = self.namespace_label(ns_id)
         for outcome, count in (("stored", stored), ("duplicate", duplicates), ("rejected", rejected)):
             if count:
                 self.put_blocks.labels(label, outcome).inc(count)
         self.put_bytes.inc(nbytes)
         self.put_seconds.observe(seconds)
-        self._latency("put", seconds)
+        record = TrafficRecord(time.time(), label, tuple(ns_id + h for h in keys), spec.block_bytes,
+                               spec.block_size, 0, put=True)
+        with self._lock:
+            self._remember(record)
+            self._recent_latencies["put"].append((record.time_s, seconds))
 
     def prefill(self, ns_id: bytes, saved_tokens: int, computed_tokens: int) -> None:
         """What a connector reports after a prefill: tokens it loaded instead of computing, and computed."""
@@ -211,9 +219,10 @@ class ServiceMetrics:
             self.call(method)
             self.error(method, "UNAUTHENTICATED")
 
-    def recent_lookups(self, since_s: float = 0.0) -> list[LookupRecord]:
+    def recent_traffic(self, since_s: float = 0.0) -> list[TrafficRecord]:
+        """The recent lookups and puts recorded since ``since_s``, oldest first."""
         with self._lock:
-            return [r for r in self._recent_lookups if r.time_s >= since_s]
+            return [r for r in self._recent if r.time_s >= since_s]
 
     def recent_latencies(self, kind: str, since_s: float = 0.0, until_s: float = math.inf) -> list[float]:
         """Latencies in seconds of recent ``kind`` calls ("lookup", "load" or "put") recorded in

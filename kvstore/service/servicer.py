@@ -403,7 +403,8 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         durable = False
         if self._durable_puts:  # durable only if every block reached the disk (a copy refused for room did not)
             durable = await run(store_calls.flush_durable, self._store, ns_id, hashes)
-        self.metrics.put(ns_id, result.stored, result.duplicates, result.rejected, nbytes, time.perf_counter() - started)
+        self.metrics.put(ns_id, hashes, result.stored, result.duplicates, result.rejected, nbytes,
+                         time.perf_counter() - started)
         return wire.put_result_to_proto(result, durable=durable)
 
     def _staging_area(self) -> StagingArea:

@@ -8,10 +8,16 @@ hits iff its reuse distance is at most ``C``: one pass answers every capacity at
 
 The model (what the brute-force simulation in the tests does too):
 
-- requests come in order; each accesses its blocks in order, and every access makes its block
-  the most recently used (inserting it on a miss);
-- a request's hit is its *prefix*: the leading blocks up to the first miss (prefix caching);
-  so a block counts at ``C`` iff it and every block before it in its request hit at ``C``;
+- events come in order, lookups and puts; each touches its blocks in order, and every touch
+  makes its block the most recently used (inserting it if absent: an engine puts what a lookup
+  missed, so a lookup's miss stands for the put that follows it);
+- only lookups count; a lookup's hit is its *prefix*: the leading blocks up to the first miss
+  (prefix caching), so a block counts at ``C`` iff it and every block before it in its lookup
+  hit at ``C``;
+- a block the store itself missed (beyond the hit it answered) cannot hit again, at any
+  capacity, until a put of it: a lookup repeated before that put (LMCache looks up each prompt
+  twice, when scheduling and when retrieving) misses in any cache. A block the store hit stands
+  for a put, whenever it was;
 - the cache starts empty: the first use of a block in the trace is a miss at every capacity.
 
 Distances come from a Fenwick tree over access times holding each block's size at the time
@@ -32,12 +38,14 @@ import numpy as np
 COLD = math.inf  # reuse distance of a block's first access
 
 
-class CurveRequest(Protocol):
-    """One request of the trace (``LookupRecord`` is one)."""
+class CurveEvent(Protocol):
+    """One lookup or put of the trace (``TrafficRecord`` is one)."""
 
     keys: Sequence[bytes]  # its blocks, in order
     block_bytes: int  # bytes of each of its blocks
     block_size: int  # tokens of each of its blocks
+    hit_blocks: int  # of a lookup: the leading blocks the store answered as a hit
+    put: bool  # a put: it touches its blocks and counts nothing
 
 
 @dataclass(frozen=True)
@@ -49,10 +57,10 @@ class HitCurve:
     the first ``i`` of them.
     """
 
-    requests: int
-    accesses: int
-    tokens: int
-    nbytes: int  # bytes of all accesses (blocks counted once per access)
+    requests: int  # lookups
+    accesses: int  # blocks looked up
+    tokens: int  # of the blocks looked up
+    nbytes: int  # bytes of the blocks looked up (counted once per lookup)
     thresholds: np.ndarray  # [hitting accesses] float64, ascending
     cumulative_tokens: np.ndarray  # [hitting accesses + 1] int64
 
@@ -110,50 +118,58 @@ def reuse_distances(keys: Sequence[bytes], sizes: Sequence[int]) -> list[float]:
     return out
 
 
-def hit_curve(requests: Sequence[CurveRequest]) -> HitCurve:
-    """The hit curve of ``requests`` in order, under the model in the module docstring."""
+def hit_curve(events: Sequence[CurveEvent]) -> HitCurve:
+    """The hit curve of the lookups among ``events`` in order, under the model in the module docstring."""
     keys: list[bytes] = []
     sizes: list[int] = []
-    for request in requests:
-        keys.extend(request.keys)
-        sizes.extend([request.block_bytes] * len(request.keys))
+    for event in events:
+        keys.extend(event.keys)
+        sizes.extend([event.block_bytes] * len(event.keys))
     distances = reuse_distances(keys, sizes)
     thresholds: list[float] = []
     tokens: list[int] = []
+    missed: set[bytes] = set()  # blocks the store missed and no put has stored since
     start = 0
-    for request in requests:
+    lookups = [event for event in events if not event.put]
+    for event in events:
+        span = distances[start:start + len(event.keys)]
+        start += len(event.keys)
+        if event.put:
+            missed.difference_update(event.keys)
+            continue
         needed = 0.0  # capacity the prefix up to this block needs
-        for distance in distances[start:start + len(request.keys)]:
-            needed = max(needed, distance)
+        for key, distance in zip(event.keys, span):
+            needed = max(needed, COLD if key in missed else distance)
             if needed == COLD:
-                break  # no capacity makes the rest of this request's prefix hit
+                break  # no capacity makes the rest of this lookup's prefix hit
             thresholds.append(needed)
-            tokens.append(request.block_size)
-        start += len(request.keys)
+            tokens.append(event.block_size)
+        missed.difference_update(event.keys[:event.hit_blocks])
+        missed.update(event.keys[event.hit_blocks:])
     order = np.argsort(np.asarray(thresholds, dtype=np.float64), kind="stable")
     cumulative = np.concatenate(([0], np.cumsum(np.asarray(tokens, dtype=np.int64)[order])))
     return HitCurve(
-        requests=len(requests),
-        accesses=len(keys),
-        tokens=sum(len(r.keys) * r.block_size for r in requests),
-        nbytes=sum(sizes),
+        requests=len(lookups),
+        accesses=sum(len(event.keys) for event in lookups),
+        tokens=sum(len(event.keys) * event.block_size for event in lookups),
+        nbytes=sum(len(event.keys) * event.block_bytes for event in lookups),
         thresholds=np.asarray(thresholds, dtype=np.float64)[order],
         cumulative_tokens=cumulative.astype(np.int64),
     )
 
 
-def latest_within(requests: Sequence[CurveRequest], max_accesses: int) -> list[CurveRequest]:
-    """The most recent requests (kept in order) whose accesses add up to at most ``max_accesses``.
+def latest_within(events: Sequence[CurveEvent], max_accesses: int) -> list[CurveEvent]:
+    """The most recent events (kept in order) whose blocks add up to at most ``max_accesses``.
 
-    Always keeps the newest request, even when it alone is larger: an estimate over one long
-    request beats none.
+    Always keeps the newest event, even when it alone is larger: an estimate over one long
+    lookup beats none.
     """
-    kept: list[CurveRequest] = []
+    kept: list[CurveEvent] = []
     total = 0
-    for request in reversed(requests):
-        total += len(request.keys)
+    for event in reversed(events):
+        total += len(event.keys)
         if kept and total > max_accesses:
             break
-        kept.append(request)
+        kept.append(event)
     kept.reverse()
     return kept

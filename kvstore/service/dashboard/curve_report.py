@@ -19,14 +19,15 @@ from typing import Sequence
 from kvstore.service.dashboard.curve import hit_curve, latest_within
 from kvstore.service.dashboard.models import CurvePoint, HitRateCurve
 from kvstore.service.dashboard.readings import ratio
-from kvstore.service.metrics import LookupRecord
+from kvstore.service.metrics import TrafficRecord
 
 CAPACITY_FACTORS = tuple(2 ** (k / 2) for k in range(-6, 7))  # 1/8x .. 8x in half octaves, 1x included
-MAX_ACCESSES = 65_536  # block accesses replayed per estimate: about a third of a second of CPU
+MAX_ACCESSES = 65_536  # blocks looked up or put, replayed per estimate: about a third of a second of CPU
 WRITE_THROUGH_RULE = "largest tier (write-through: lower tiers copy upper ones)"
 ON_EVICTION_RULE = "sum of tiers (write-on-eviction: tiers hold different blocks)"
-NOTE = ("LRU estimate: Mattson stack distances over the most recent lookups in request order, a "
-        "request hitting on the prefix of blocks that hit, from an empty cache, capacities in payload bytes. "
+NOTE = ("LRU estimate: Mattson stack distances over the most recent lookups and puts in order, a "
+        "lookup hitting on the prefix of blocks that hit, a block the store missed hitting again only once "
+        "put, from an empty cache, capacities in payload bytes. "
         "The store's own policy, its tiers (slot and header overheads) and the blocks it held before the "
         "window make the real hit rate differ.")
 
@@ -38,8 +39,8 @@ def current_capacity(capacity_by_tier: dict[str, float], write_policy: str) -> t
     return int(sum(capacity_by_tier.values())), ON_EVICTION_RULE
 
 
-def curve_report(records: Sequence[LookupRecord], capacity_bytes: int, capacity_rule: str) -> HitRateCurve:
-    """The hit curve of the newest ``records`` (at most ``MAX_ACCESSES`` block accesses)."""
+def curve_report(records: Sequence[TrafficRecord], capacity_bytes: int, capacity_rule: str) -> HitRateCurve:
+    """The hit curve of the newest ``records``, lookups and puts (at most ``MAX_ACCESSES`` blocks)."""
     window = latest_within(records, MAX_ACCESSES)
     curve = hit_curve(window)
     observed = sum(r.hit_blocks * r.block_size for r in window)
@@ -69,7 +70,7 @@ class CurveCache:
         self._report: HitRateCurve | None = None
         self._computed_s = 0.0
 
-    def get(self, records: Sequence[LookupRecord], capacity_bytes: int, capacity_rule: str) -> HitRateCurve:
+    def get(self, records: Sequence[TrafficRecord], capacity_bytes: int, capacity_rule: str) -> HitRateCurve:
         key = (len(records), records[-1].time_s if records else None, capacity_bytes)
         with self._lock:
             fresh = self._report is not None and (key == self._key or

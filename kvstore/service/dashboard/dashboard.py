@@ -89,7 +89,7 @@ class Dashboard:
     def hit_rate_curve(self) -> HitRateCurve:
         capacities = by_label(self.metrics.totals(), "kvstore_tier_capacity_bytes", "tier")
         capacity, rule = current_capacity(capacities, self.metrics.store.write_policy)
-        return self._curves.get(self.metrics.recent_lookups(), capacity, rule)
+        return self._curves.get(self.metrics.recent_traffic(), capacity, rule)
 
     @staticmethod
     def _page_router() -> APIRouter:

@@ -58,6 +58,9 @@ def test_metrics_count_the_traffic_of_a_real_server(server, client, namespace, s
     assert got[("kvstore_prefill_tokens_saved_total", (label,))] == 12
     assert got[("kvstore_prefill_tokens_computed_total", (label,))] == 8
     assert got[("kvstore_grpc_errors_total", (("code", "NOT_FOUND"), ("method", "Lookup")))] == 1
+    recent = server.metrics.recent_traffic()  # what the dashboard's curve replays: both puts, then the lookup
+    assert [(r.put, len(r.keys), r.hit_blocks) for r in recent] == [(True, 3, 0), (True, 3, 0), (False, 5, 3)]
+    assert recent[0].keys == tuple(ns_id + h for h in chain[:3])
     calls = {dict(labels)["method"]: value for (name, labels), value in got.items() if name == "kvstore_grpc_calls_total"}
     assert calls == {"RegisterNamespace": 1, "Put": 2, "Lookup": 2, "Get": 1, "GetSlots": 1, "Release": 1,
                      "ReportPrefill": 1}  # the failed Lookup too: the error ratio's denominator
@@ -244,17 +247,17 @@ def test_http_app_serves_metrics_and_healthz_and_protects_what_it_must(store):
 def test_the_recent_lookup_record_is_capped_by_keys_as_well_as_lookups(store, namespace):
     """16,384-hash lookups from one client once grew the record to 2.8 GiB: 2,048 of them."""
     ns_id = store.register_namespace(namespace)
-    metrics = ServiceMetrics(store, recent_lookups=8, recent_keys=1000)
+    metrics = ServiceMetrics(store, recent_records=8, recent_keys=1000)
     big = [i.to_bytes(16, "little") for i in range(400)]
     for _ in range(5):
         metrics.lookup(ns_id, big, (), 0.001)
-    kept = metrics.recent_lookups()
+    kept = metrics.recent_traffic()
     assert len(kept) == 2 and sum(len(r.keys) for r in kept) == 800  # 3 x 400 keys would pass 1000
     metrics.lookup(ns_id, [i.to_bytes(16, "little") for i in range(5000)], (), 0.001)
-    assert [len(r.keys) for r in metrics.recent_lookups()] == [5000], "the newest stays, however large"
+    assert [len(r.keys) for r in metrics.recent_traffic()] == [5000], "the newest stays, however large"
     for _ in range(20):
         metrics.lookup(ns_id, big[:1], (), 0.001)
-    assert len(metrics.recent_lookups()) == 8
+    assert len(metrics.recent_traffic()) == 8
 
 
 @pytest.fixture

@@ -50,7 +50,7 @@ class Traffic:
     def put(self, ns_id: bytes, hashes: list[bytes]) -> None:
         spec = self.store.spec(ns_id)
         result = self.store.put(ns_id, hashes, payloads_for(spec, hashes))
-        self.metrics.put(ns_id, result.stored, result.duplicates, result.rejected,
+        self.metrics.put(ns_id, hashes, result.stored, result.duplicates, result.rejected,
                          len(hashes) * spec.block_bytes, seconds=0.001)
 
     def lookup(self, ns_id: bytes, hashes: list[bytes], lease_ttl_s: float | None = None,

@@ -10,8 +10,9 @@ from tests.kvstore.service.dashboard.conftest import BLOCK_BYTES, BLOCK_TOKENS, 
 
 
 def test_curve_of_two_alternating_prompts(traffic, client):
-    """A B A B of 10 blocks each: reuse after 20 distinct blocks, so the second A and B hit from
-    20 blocks of capacity on (half the tokens; the first uses are cold misses)."""
+    """A and B of 10 blocks each put together, then looked up A B A B: every lookup reuses its
+    blocks after 20 distinct blocks (the put's, then the lookups'), so all hit from 20 blocks of
+    capacity on."""
     ns = traffic.namespace()
     a, b = traffic.hashes(ns, 0, 10), traffic.hashes(ns, 100, 10)
     traffic.put(ns, a + b)
@@ -32,10 +33,10 @@ def test_curve_of_two_alternating_prompts(traffic, client):
     for point in c["points"]:
         assert point["capacity_bytes"] == round(point["capacity_factor"] * (1 << 20))
         assert point["capacity_tokens"] == point["capacity_bytes"] * BLOCK_TOKENS // BLOCK_BYTES
-        assert point["hit_rate"] == (0.5 if point["capacity_bytes"] >= reuse_bytes else 0.0)
+        assert point["hit_rate"] == (1.0 if point["capacity_bytes"] >= reuse_bytes else 0.0)
     assert c["points"][0]["hit_rate"] == 0.0  # 1/8 of 1 MiB holds only 14 of the 20 blocks
     assert c["current"] == c["points"][factors.index(1.0)]
-    assert c["current"]["hit_tokens"] == 80
+    assert c["current"]["hit_tokens"] == 160
 
 
 def test_curve_without_lookups_is_empty(client):

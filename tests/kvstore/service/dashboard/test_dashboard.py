@@ -36,10 +36,10 @@ def test_reading_every_endpoint_changes_nothing(traffic, client):
     prompt = traffic.hashes(ns, 0, 6)
     traffic.put(ns, prompt)
     traffic.lookup(ns, prompt)
-    before = (traffic.store.stats(), traffic.metrics.totals(), len(traffic.metrics.recent_lookups()))
+    before = (traffic.store.stats(), traffic.metrics.totals(), len(traffic.metrics.recent_traffic()))
     for path in ("/", "/static/app.js", *API_PATHS):
         assert client.get(path).status_code == 200
-    assert (traffic.store.stats(), traffic.metrics.totals(), len(traffic.metrics.recent_lookups())) == before
+    assert (traffic.store.stats(), traffic.metrics.totals(), len(traffic.metrics.recent_traffic())) == before
 
 
 def test_the_page_and_its_assets_are_served(client):
