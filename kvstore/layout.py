@@ -21,6 +21,7 @@ This module knows byte sizes and offsets only; the conversions live in ``kvstore
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -105,6 +106,8 @@ class BlockSpec:
 
     def layer_range(self, layer: int) -> tuple[int, int]:
         """``(offset, length)`` of one layer's bytes inside the block payload."""
+        if isinstance(layer, bool) or not isinstance(layer, numbers.Integral):  # 0.5 sliced nothing, True was 1
+            raise InvalidRequest(f"layer must be a whole number, got {layer!r} ({type(layer).__name__})")
         if not 0 <= layer < self.num_layers:
             raise InvalidRequest(f"layer {layer} out of range [0, {self.num_layers})")
         return layer * self.layer_bytes, self.layer_bytes

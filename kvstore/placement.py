@@ -5,7 +5,7 @@ under the lock: writes and demotions run between holdings of it, evictions only 
 
 ``PlacementMixin`` is half of ``TieredStore`` (kept apart to keep each file to one concern). It
 expects the host class to provide ``tiers``, ``_policies``, ``_lock`` (re-entrant), ``_leases``,
-``_inflight``, ``_doomed``, ``_placing``, ``_copy_backlog``, ``_counters``, ``_writer``, ``write_policy``, ``_shadows``
+``_inflight``, ``_put_done`` (a condition of ``_lock``), ``_doomed``, ``_placing``, ``_copy_backlog``, ``_counters``, ``_writer``, ``write_policy``, ``_shadows``
 and the bookkeeping methods ``_bits``, ``_publish``, ``_forget`` and ``_bury_doomed``. Methods whose
 docstring says "caller holds the lock" must be called under ``_lock``; the others take it
 themselves and copy bytes outside it.
@@ -14,6 +14,7 @@ themselves and copy bytes outside it.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import replace
 from typing import Callable, NamedTuple
 
@@ -30,6 +31,7 @@ log = logging.getLogger(__name__)
 # may pin; past it the copy runs in the putting thread (one copy may always wait).
 WRITE_THROUGH_BACKLOG = 0.25
 PAGE_CANDIDATES = 64  # victims whose pages _empty_a_page chooses among
+INFLIGHT_WAIT_S = 10.0  # a put waits this long for another put's write of the same block
 
 
 class PlacementMixin:
@@ -44,21 +46,29 @@ class PlacementMixin:
             policy.size_for_store(min(1.0, capacity / store) if capacity > 0 and store > 0 else 1.0)
         return policies
 
-    def _put_one(self, key: bytes, view: np.ndarray, meta: BlockMeta) -> str:
+    def _put_one(self, key: bytes, view: np.ndarray, meta: BlockMeta, deleted: Callable[[], bool]) -> str:
         """Store one block of a put in the first tier that admits it and has room: "stored",
-        "duplicate" (held already, or being put) or "rejected". The policies of the faster tiers,
-        which did not store it, are told it came and went (``_bypass``); those of the slower ones
-        that another tier stored it (``on_stored_elsewhere``), before any copy of it moves in
-        (write-through, demotion)."""
+        "duplicate" (held already) or "rejected" (also where ``deleted()``, asked under the lock,
+        says the namespace was deleted since the put began). A block another put is writing is
+        waited for (up to ``INFLIGHT_WAIT_S``, then rejected): that write may yet fail, and a
+        duplicate of a block never stored would let the blocks after it be stored below a gap.
+        The policies of the faster tiers, which did not store it, are told it came and went
+        (``_bypass``); those of the slower ones that another tier stored it
+        (``on_stored_elsewhere``), before any copy of it moves in (write-through, demotion)."""
         with self._lock:
-            if key in self._doomed:  # deleted, still leased by a reader: it can be stored once that lease ends
+            deadline = time.monotonic() + INFLIGHT_WAIT_S
+            while key in self._inflight and self._put_done.wait(max(0.0, deadline - time.monotonic())):
+                pass
+            if key in self._doomed or deleted() or key in self._inflight:  # doomed: deleted, still leased
                 return "rejected"
-            if self._bits(key) or key in self._inflight:
+            if self._bits(key):
                 return "duplicate"
             self._inflight.add(key)
         try:
             for t in range(len(self.tiers)):
-                if self._policies[t].admit(key, meta.parent, meta.nbytes) and self._place(t, key, view, meta):
+                with self._lock:  # policies are not thread-safe, and admit may change one's state
+                    admitted = self._policies[t].admit(key, meta.parent, meta.nbytes)
+                if admitted and self._place(t, key, view, meta):
                     if t:
                         self._bypass(range(t), key, meta)
                     if t + 1 < len(self.tiers):  # the checks of both, here: this runs for every block stored
@@ -70,6 +80,7 @@ class PlacementMixin:
         finally:
             with self._lock:
                 self._inflight.discard(key)
+                self._put_done.notify_all()
                 if self._doomed:
                     self._bury_doomed([key])  # its namespace was deleted while it was being written
 

@@ -93,10 +93,12 @@ class TieredStore(PlacementMixin, LeaseHolderMixin):
         self._placing: set[tuple[int, bytes]] = set()  # (tier, key) being written by _place right now
         self._copy_backlog = [0] * len(self.tiers)  # bytes of each tier pinned by queued write-through copies
         self._doomed: set[bytes] = set()  # deleted while pinned: removed at the last unpin
+        self._deletions: Counter[bytes] = Counter()  # delete_namespace calls per namespace id
         # lower copies of blocks a faster tier also holds, evicted first (on_eviction, two tiers or more)
         self._shadows = ShadowCopies(len(self.tiers)) if write_policy == "on_eviction" and len(self.tiers) > 1 else None
         self._leases = LeaseTable(max_leases, clock, max_leased_blocks)
         self._lock = threading.RLock()
+        self._put_done = threading.Condition(self._lock)  # a block left _inflight: its outcome is known
         self._counters: Counter[str] = Counter()
         self._busy_lock = threading.Lock()  # guards the one counter bumped without ``_lock``
         self._busy_lookups = 0
@@ -281,7 +283,7 @@ class TieredStore(PlacementMixin, LeaseHolderMixin):
         with self._lock:
             if not self._readable_run([ns_id + block_hash], None):
                 return None
-        tier = self._load_one(ns_id + block_hash, view, layer, 1)
+        tier = self._load_one(ns_id + block_hash, view, int(layer), 1)
         return None if tier is None else self.tiers[tier].name
 
     def _load_one(self, key: bytes, dst: np.ndarray, first_layer: int, num_layers: int) -> int | None:
@@ -337,6 +339,9 @@ class TieredStore(PlacementMixin, LeaseHolderMixin):
                     raise InvalidRequest(
                         f"parent {parent.hex()} descends from a block of this put: storing it would make a "
                         "block its own ancestor (the parent must be the block before block_hashes[0])")
+        with self._lock:
+            deletions = self._deletions[ns_id]
+        deleted = lambda: self._deletions[ns_id] != deletions  # noqa: E731 (asked under the lock)
         outcome = {"stored": 0, "duplicate": 0, "rejected": 0}  # a plain dict: Counter's misses cost a call
         previous = parent
         checksums = checksums_ahead(views, spec.num_layers, self._hasher)
@@ -346,7 +351,7 @@ class TieredStore(PlacementMixin, LeaseHolderMixin):
                 if outcome["rejected"]:  # below a block not stored, no lookup could reach it
                     outcome[self._bypass(range(len(self.tiers)), ns_id + block_hash, meta)] += 1
                 else:
-                    outcome[self._put_one(ns_id + block_hash, view, meta)] += 1
+                    outcome[self._put_one(ns_id + block_hash, view, meta, deleted)] += 1
                 previous = block_hash
         finally:
             checksums.close()
@@ -401,11 +406,12 @@ class TieredStore(PlacementMixin, LeaseHolderMixin):
         """Remove every block of a namespace from every tier; returns how many blocks.
 
         Blocks pinned by a lease or an in-flight copy go as soon as they are unpinned, and blocks
-        a ``put`` is still writing go as soon as it has written them; lookups miss all of them
-        from now on.
+        a ``put`` is still writing go as soon as it has written them; a ``put`` begun before
+        stores none of its blocks it had not begun; lookups miss all of them from now on.
         """
         self.spec(ns_id)
         with self._lock:
+            self._deletions[ns_id] += 1  # a put begun before stores none of its blocks not yet begun
             keys = self._directory.keys(ns_id)
             for key in keys:
                 if self._leases.is_pinned(key):

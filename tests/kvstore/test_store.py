@@ -161,6 +161,18 @@ def test_load_layer_is_byte_exact_from_host_and_from_disk(make_store, namespace,
     assert not dst.any()
 
 
+@pytest.mark.parametrize("layer", [0.5, True, "1", None])
+def test_load_layer_refuses_a_layer_that_is_not_a_whole_number(make_store, namespace, spec, chain, layer):
+    """0.5 passed the range check and raised TypeError from the tier's slice; True was served as layer 1."""
+    store = make_store(**SLOTS4, background_writes=False)
+    ns_id = store.register_namespace(namespace)
+    put_chain(store, ns_id, spec, chain[:1])
+    dst = np.zeros(spec.layer_bytes, np.uint8)
+    with pytest.raises(InvalidRequest, match="layer must be a whole number"):
+        store.load_layer(ns_id, chain[0], layer, dst)
+    assert store.load_layer(ns_id, chain[0], np.int64(1), dst) == "host"  # a numpy integer is one
+
+
 def test_load_layer_zero_from_disk_with_promotion_does_not_promote_a_partial_block(make_store, namespace, spec, chain):
     """Only a whole-block load may be promoted: layer 0 alone is not a block."""
     store = make_store(**SLOTS4, background_writes=False, write_policy="on_eviction")

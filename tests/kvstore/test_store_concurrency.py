@@ -18,7 +18,7 @@ import pytest
 from kvstore.errors import UnknownLease
 from kvstore.keys import namespace_hashes
 from tests.conftest import payloads_for
-from tests.kvstore.store_helpers import SLOTS4, host_resident, put_chain, tokens
+from tests.kvstore.store_helpers import SLOTS4, host_resident, load_all, put_chain, tokens
 
 THREADS = 5
 OPS_PER_THREAD = 400
@@ -238,3 +238,93 @@ def test_two_racing_puts_that_would_make_a_loop_store_one_block(make_store, name
         assert put_chain(store, ns_id, spec, namespace_hashes(namespace, tokens(1000 * i, 1)))[1].stored == 1
     assert host_resident(store, ns_id, [a, b]) == [False, False]
     store.check_integrity()
+
+
+def gate_writes_of(store, key: bytes, result: bool | None = None, thread_name: str | None = None):
+    """Make the host tier's writes of ``key`` (by the thread named ``thread_name``, if given) wait
+    until the returned ``release`` event is set (``entered`` is set once one waits); then the write
+    runs, or returns ``result`` if given (a medium refusing it)."""
+    host, entered, release = store.tiers[0], threading.Event(), threading.Event()
+    write = host.write
+
+    def gated(k, payload, meta):
+        if k == key and thread_name in (None, threading.current_thread().name):
+            entered.set()
+            assert release.wait(10)
+            if result is not None:
+                return result
+        return write(k, payload, meta)
+
+    host.write = gated
+    return entered, release
+
+
+def test_a_put_begun_before_delete_namespace_stores_none_of_its_later_blocks(make_store, namespace, spec):
+    """delete_namespace ran while a put was writing its first block: that block was buried, but
+    the put went on to store the rest, resident (and hit) in a namespace just deleted."""
+    store = make_store(disk_bytes=None)
+    ns_id = store.register_namespace(namespace)
+    hashes = namespace_hashes(namespace, tokens(0, 4))
+    entered, release = gate_writes_of(store, ns_id + hashes[0])
+    results = []
+    putting = threading.Thread(target=lambda: results.append(put_chain(store, ns_id, spec, hashes)[1]))
+    putting.start()
+    assert entered.wait(10)
+    assert store.delete_namespace(ns_id) == 0  # nothing was resident yet
+    release.set()
+    putting.join(10)
+    assert results[0].rejected == 3, "the blocks the put had not begun"
+    assert not any(store.holds(ns_id, h) for h in hashes) and store.tiers[0].stats().blocks == 0
+    assert store.lookup(ns_id, hashes[1:]).hit_blocks == 0
+    assert put_chain(store, ns_id, spec, hashes)[1].stored == 4, "a put begun after the deletion stores"
+    store.check_integrity()
+
+
+def test_a_block_another_put_is_writing_is_waited_for_not_called_a_duplicate(make_store, namespace, spec):
+    """Put B of [X, Y] came while put A was writing X: B counted X a duplicate and stored Y below it.
+    A's write of X then failed, so B's answer was wrong and Y hung below a block no tier held, where
+    no lookup reaches it. Now B waits for A's outcome, and stores X itself when A could not."""
+    store = make_store(disk_bytes=None)
+    ns_id = store.register_namespace(namespace)
+    x_and_y = namespace_hashes(namespace, tokens(0, 2))
+    entered, release = gate_writes_of(store, ns_id + x_and_y[0], result=False, thread_name="A")
+    results = {}
+    a = threading.Thread(target=lambda: results.update(a=put_chain(store, ns_id, spec, x_and_y[:1])[1]), name="A")
+    a.start()
+    assert entered.wait(10)
+    b = threading.Thread(target=lambda: results.update(b=put_chain(store, ns_id, spec, x_and_y)[1]))
+    b.start()
+    time.sleep(0.2)
+    assert "b" not in results, "B waits while A writes X"
+    release.set()
+    a.join(10)
+    b.join(10)
+    assert results["a"].rejected == 1
+    assert (results["b"].stored, results["b"].duplicates) == (2, 0)
+    assert store.lookup(ns_id, x_and_y).hit_blocks == 2
+    store.check_integrity()
+
+
+@pytest.mark.parametrize("write_policy", ["on_eviction", "write_through"])
+def test_every_policy_call_is_made_under_the_store_lock(make_store, namespace, spec, write_policy):
+    """Policies are not thread-safe; ``admit`` was called without the lock, and HitDensity's changes
+    state (its insertion run, its leaf arrays) that another thread's eviction could change beneath it."""
+    store = make_store(**SLOTS4, disk_bytes=8 * 16 << 10, policy="adaptive", write_policy=write_policy,
+                       background_writes=False)
+    ns_id = store.register_namespace(namespace)
+    unlocked = []
+    calls = ("on_insert", "on_access", "on_remove", "victims", "admit", "on_bypass", "on_stored_elsewhere",
+             "on_move_in", "admits_demotion", "on_hit_elsewhere")
+    for policy in store._policies:
+        for name in calls:
+            def checked(*args, _call=getattr(policy, name), _name=name, **kwargs):
+                if not store._lock._is_owned():
+                    unlocked.append(_name)
+                return _call(*args, **kwargs)
+            setattr(policy, name, checked)
+    for i in range(12):  # more blocks than both tiers hold: evictions, demotions and promotions
+        hashes = namespace_hashes(namespace, tokens(100 * (i % 6), 2))
+        put_chain(store, ns_id, spec, hashes)
+        load_all(store, ns_id, spec, hashes[:store.lookup(ns_id, hashes).hit_blocks])
+    assert store.stats().tier("host").evictions > 0
+    assert unlocked == []
