@@ -29,6 +29,7 @@ from kvstore.store import TieredStore
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.host import DEFAULT_PAGE_BYTES, HostTier
 
+BLOCK_TOKENS = 64  # tokens per block of every namespace measured
 TARGETS = {
     "host_load_vs_memcpy": (">=", 0.8),
     "disk_read_vs_ceiling": (">=", 0.8),
@@ -58,7 +59,8 @@ def _rates(nbytes: int, seconds: list[float]) -> list[float]:
 
 
 def _namespace(num_layers: int = DEEPSEEK_NUM_LAYERS) -> Namespace:
-    return Namespace("bench/deepseek-v3.2-shaped", "bench", num_layers, DEEPSEEK_V32_COMPONENTS, block_size=64)
+    return Namespace("bench/deepseek-v3.2-shaped", "bench", num_layers, DEEPSEEK_V32_COMPONENTS,
+                     block_size=BLOCK_TOKENS)
 
 
 def _payloads(spec: BlockSpec, count: int) -> list[np.ndarray]:

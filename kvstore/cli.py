@@ -85,6 +85,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return _cmd_demo(args)
     if args.http_address is None:
         args.http_address = RUN_HTTP_ADDRESS
+    _demo_config(args)  # the demo's flags are refused before a sidecar starts, not after
     import tempfile
 
     say = (lambda s: print(s, file=sys.stderr)) if args.json else print
@@ -116,12 +117,20 @@ def _run_with_sidecar(args: argparse.Namespace, data_dir: str, say) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from kvstore.bench import BenchConfig, format_table, run_bench
+    from kvstore.bench import BLOCK_TOKENS as LOOKUP_BLOCK_TOKENS, BenchConfig, format_table, run_bench
 
-    if min(args.blocks, args.repeats, args.read_rounds, args.lookup_tokens, args.disk_blocks or 1) <= 0:
+    disk_blocks = 1 if args.disk_blocks is None else args.disk_blocks  # None: the default, 0 is refused
+    if min(args.blocks, args.repeats, args.read_rounds, args.lookup_tokens, disk_blocks) <= 0:
         raise InvalidRequest("--blocks, --disk-blocks, --repeats, --read-rounds and --lookup-tokens must be positive")
+    if args.lookup_tokens < LOOKUP_BLOCK_TOKENS:
+        raise InvalidRequest(f"--lookup-tokens must be at least one {LOOKUP_BLOCK_TOKENS}-token block, "
+                             f"got {args.lookup_tokens}")
     if args.dir is not None and not os.path.isdir(args.dir):
         raise InvalidRequest(f"--dir {args.dir} is not a directory; give an existing one to measure")
+    if args.sidecar:
+        from kvstore.sidecar_bench import redis_server_binary
+
+        redis_server_binary()  # before the minutes of the store's benchmark, not after
     cfg = BenchConfig(blocks=args.blocks, disk_blocks=args.disk_blocks, repeats=args.repeats,
                       read_rounds=args.read_rounds, lookup_tokens=args.lookup_tokens, directory=args.dir)
     log = (lambda s: None) if args.json else (lambda s: print(s, file=sys.stderr))
@@ -165,7 +174,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         check_plot_path(args.plot)  # before the sweep, which can take minutes
     tiers = _replay_tiers(args.tiers)
     capacities = _replay_capacities(args, tiers)
-    policies = _sweep_policies(args.policies) if args.sweep else [args.policy]
+    policies = _sweep_policies(args.policies) if args.sweep else [args.policy or DEFAULT_POLICY]
     trace = read_trace(args.trace, args.block_tokens)
     requests = trace.requests
     if not requests:
@@ -180,7 +189,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         jobs = args.jobs if args.jobs is not None else usable_cpus()
         results = sweep(requests, capacities, policies, jobs=jobs, **options)
     else:
-        results = [replay(requests, capacities[0], args.policy, windows=args.windows or 0, **options)]
+        results = [replay(requests, capacities[0], policies[0], windows=args.windows or 0, **options)]
     dicts = [{**with_bytes(r.as_dict(), args.model), **trace_fields(trace)} for r in results]
     if args.json:
         print(json.dumps(dicts if args.sweep else dicts[0], indent=2))
@@ -227,6 +236,8 @@ def _check_replay_flags(args: argparse.Namespace) -> None:
         raise InvalidRequest(f"--windows must be at least 1, got {args.windows}")
     if args.sweep and args.capacity_tokens is not None:
         raise InvalidRequest("--capacity-tokens is for one replay; with --sweep give --capacities (e.g. 1M,2M,4M)")
+    if args.sweep and args.policy is not None:
+        raise InvalidRequest("--policy is for one replay; with --sweep give --policies (e.g. lru,adaptive)")
     if args.sweep and args.windows is not None:
         raise InvalidRequest("--windows is for one replay: drop --sweep, or give --capacity-tokens and no --sweep")
     if not args.sweep and not args.capacity_tokens:
@@ -315,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                "(e.g. 128GiB)")
     rep.add_argument("--model", choices=list(MODELS),
                      help="show capacities in bytes of this model's KV too, and accept them in bytes")
-    rep.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES), help=f"default {DEFAULT_POLICY}")
+    rep.add_argument("--policy", choices=sorted(POLICIES), help=f"one replay's policy (default {DEFAULT_POLICY})")
     rep.add_argument("--tiers", default="host", help="capacity split over tiers, fastest first, e.g. host=0.25,disk=0.75 (default host: one tier)")
     rep.add_argument("--write-policy", default="on_eviction", choices=WRITE_POLICIES,
                      help="on_eviction (default: victims are demoted, so the tiers hold disjoint "

@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Callable, Mapping, TypeVar
 
 from kvstore.errors import InvalidRequest
@@ -43,15 +44,24 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g"
           "t": 1000**4, "tb": 1000**4, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 
 
+MAX_SIZE = (1 << 63) - 1  # bytes: what a file offset or a C ssize_t holds
+
+
 def parse_size(text: str | int) -> int:
-    """``"4GiB"``, ``"512MB"``, ``"1048576"`` -> bytes."""
+    """``"4GiB"``, ``"512MB"``, ``"1048576"`` -> bytes, rounded down to a whole byte. A size
+    between 0 and one byte (``"0.5"``: 0 would disable a tier) or past ``MAX_SIZE`` is refused."""
     if isinstance(text, int):
         return text
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
         raise InvalidRequest(f"cannot read {text!r} as a size; examples: 4GiB, 512MB, 1048576")
-    return int(float(match.group(1)) * _UNITS[unit])
+    exact = Fraction(match.group(1)) * _UNITS[unit]
+    if exact > MAX_SIZE:
+        raise InvalidRequest(f"{str(text).strip()!r} is more than any machine holds (at most 2**63 - 1 bytes)")
+    if 0 < exact < 1:
+        raise InvalidRequest(f"{str(text).strip()!r} is less than one byte (0 disables a tier; give whole bytes)")
+    return int(exact)
 
 
 def existing_directory(text: str) -> str:

@@ -36,7 +36,7 @@ import numpy as np
 from rocksdict import AccessType, Options, Rdict
 
 from kvstore.errors import InvalidRequest
-from kvstore.tiers.disk_files import DirectoryLock, IndexEntry, read_index
+from kvstore.tiers.disk_files import DirectoryLock, IndexEntry, read_index, room_for_tier
 from kvstore.tiers.segment import scan_segment
 
 ProgressFactory = Callable[[str, int], Callable[[int], None]]
@@ -116,6 +116,8 @@ def _not_a_tier(path: str) -> str:
     """Why ``path`` is no disk tier directory, and where the tier may be."""
     if not os.path.exists(path):
         return f"{path} does not exist; give a disk tier's directory (DATA_DIR/disk)"
+    if not os.path.isdir(path):
+        return f"{path} is a file, not a directory; give a disk tier's directory (DATA_DIR/disk)"
     if not os.access(path, os.R_OK | os.X_OK):
         return f"{path} cannot be read by this user; run as the tier's owner"
     if os.path.isdir(os.path.join(path, "disk", "segments")):
@@ -188,7 +190,7 @@ def _repair(path: str, progress: ProgressFactory | None) -> int:
     """Open the tier (recovery runs), read-verify every block, drop the failures."""
     from kvstore.tiers.disk import DiskTier  # the tier's own recovery is the repair
 
-    capacity = max(1 << 40, 2 * sum(e.stat().st_size for e in os.scandir(os.path.join(path, "segments"))))
+    capacity = max(room_for_tier(path), 1 << 20)  # what it holds and the room left: no oversized-tier warning
     tier = DiskTier(path, capacity, progress=progress)
     try:
         before = tier.stats().blocks

@@ -6,6 +6,7 @@ With a model (``kvstore.sizing``) capacities are also shown in bytes of that mod
 from __future__ import annotations
 
 import os
+import shutil
 from typing import Sequence
 
 from kvstore.errors import InvalidRequest
@@ -179,9 +180,14 @@ def check_plot_path(path: str) -> None:
 
 
 def _plot_formats() -> set[str]:
+    """The formats matplotlib writes here: pgf only where a LaTeX it runs is installed."""
+    from matplotlib import rcParams
     from matplotlib.backend_bases import FigureCanvasBase
 
-    return set(FigureCanvasBase.get_supported_filetypes())
+    formats = set(FigureCanvasBase.get_supported_filetypes())
+    if shutil.which(rcParams["pgf.texsystem"]) is None:
+        formats.discard("pgf")
+    return formats
 
 
 def plot_sweep(results: Sequence[ReplayResult], path: str, title: str, model: str | None = None) -> None:

@@ -68,17 +68,26 @@ def Sidecar(host_capacity: str) -> LocalSidecar:
     return LocalSidecar(tempfile.gettempdir(), host_capacity, "0", http_address="off")  # no disk tier: no files
 
 
+def redis_server_binary() -> str:
+    """The redis-server this benchmark compares with; ``InvalidRequest`` naming what to install
+    where it or redis-py is missing."""
+    binary = shutil.which("redis-server") or "/usr/bin/redis-server"
+    if not os.path.exists(binary):
+        raise InvalidRequest("the sidecar benchmark compares with redis-server: apt-get install redis-server")
+    try:
+        import redis  # noqa: F401
+    except ImportError:
+        raise InvalidRequest("the sidecar benchmark needs redis-py: pip install '.[bench]'") from None
+    return binary
+
+
 class Redis:
     """A real redis-server on a free port, nothing persisted; stopped by ``stop``."""
 
     def __init__(self):
-        binary = shutil.which("redis-server") or "/usr/bin/redis-server"
-        if not os.path.exists(binary):
-            raise InvalidRequest("the sidecar benchmark compares with redis-server: apt-get install redis-server")
-        try:
-            import redis
-        except ImportError:
-            raise InvalidRequest("the sidecar benchmark needs redis-py: pip install '.[bench]'") from None
+        import redis
+
+        binary = redis_server_binary()
         self.port = free_port()
         self.proc = subprocess.Popen([binary, "--port", str(self.port), "--save", "", "--appendonly", "no",
                                       "--bind", "127.0.0.1", "--proto-max-bulk-len", "512mb"],

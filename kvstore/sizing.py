@@ -55,6 +55,9 @@ def parse_capacity(text: str, model: str | None = None) -> int:
         raise InvalidRequest(f"a capacity must be at least one token, got {text!r}")
     match = _QUANTITY.fullmatch(text.lower())
     unit = match[2] if match else None
+    # An exponent past 1000 is no capacity, and one past Decimal's range (1e999999999) overflows it
+    if match and "e" in match[1] and int(match[1].partition("e")[2]) > 1000:
+        raise InvalidRequest(f"{text!r} is more tokens than any cache holds; check the number")
     if unit in _TOKEN_UNITS:
         count = Decimal(match[1]) * _TOKEN_UNITS[unit]
     elif unit in _BYTE_UNITS:

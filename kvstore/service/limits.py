@@ -63,6 +63,9 @@ class StreamTooSlow(StreamIdle):
     """A stream's client moved its bytes slower than ``min_stream_bytes_per_s`` allows (``StreamPace``)."""
 
 
+GRPC_MAX_MESSAGE_BYTES = (1 << 31) - 1  # gRPC takes message sizes as a C int
+
+
 @dataclass(frozen=True)
 class ServiceLimits:
     max_lookup_blocks: int = 16384
@@ -82,6 +85,9 @@ class ServiceLimits:
         for name, value in asdict(self).items():
             if not (value > 0 and math.isfinite(value)):
                 raise InvalidRequest(f"{name} must be positive and finite, got {value}")
+        if self.max_message_bytes > GRPC_MAX_MESSAGE_BYTES:
+            raise InvalidRequest(f"max_message_bytes must be at most {GRPC_MAX_MESSAGE_BYTES} (gRPC's limit: a C int), "
+                                 f"got {self.max_message_bytes}")
         if self.max_chunk_bytes + MESSAGE_OVERHEAD_BYTES > self.max_message_bytes:
             raise InvalidRequest(f"max_message_bytes ({self.max_message_bytes}) must exceed max_chunk_bytes "
                                  f"({self.max_chunk_bytes}) by at least {MESSAGE_OVERHEAD_BYTES}")

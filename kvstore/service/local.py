@@ -53,7 +53,7 @@ class LocalSidecar:
             self.process.stdout.close()
             last = self.log().strip().splitlines()[-1:]
             self._log.close()
-            raise KVStoreError(f"the sidecar did not start: {last or line!r}")
+            raise KVStoreError(f"the sidecar did not start: {last[0] if last else repr(line)}")
         return line.split(f"{what} ", 1)[1].strip()
 
     def stop(self, timeout_s: float = 60.0) -> int:

@@ -12,6 +12,7 @@ so a lower tier, or a remote client committing into a slot, can verify).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from typing import Iterator
 
@@ -251,6 +252,10 @@ def _slab_for(capacity_bytes: int, page_bytes: int) -> SlabAllocator:
     if capacity_bytes < PAGE_ALIGN:
         raise InvalidRequest(f"host tier capacity must be at least {PAGE_ALIGN} bytes (0 disables the tier), got "
                              f"{capacity_bytes}; --host-capacity or KVSTORE_HOST_CAPACITY")
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if capacity_bytes > memory:  # before the slab: its page list alone could exhaust memory
+        raise InvalidRequest(f"host tier capacity {capacity_bytes} bytes is more than this machine's memory "
+                             f"({memory} bytes); lower --host-capacity or KVSTORE_HOST_CAPACITY")
     slab = SlabAllocator(capacity_bytes, min(page_bytes, capacity_bytes) // PAGE_ALIGN * PAGE_ALIGN)
     if note := unused_capacity("host tier", capacity_bytes, slab, "KVSTORE_HOST_PAGE_BYTES"):
         log.log(*note)

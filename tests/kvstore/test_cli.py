@@ -61,6 +61,10 @@ def test_bench_table_is_human_readable(tmp_path):
     (("demo", "--quick", "--disk-capacity", "3X"), "--disk-capacity: cannot read '3X' as a size"),
     (("run", "--quick", "--in-process", "--http-address", "127.0.0.1:0"), "with --in-process it starts none"),
     (("run", "--quick", "--sidecar", "127.0.0.1:1", "--http-address", "off"), "with --sidecar"),
+    (("run", "--quick", "--long-prompt-tokens", "5"), "must be at least 128"),  # was refused once a sidecar ran
+    (("run", "--quick", "--host-capacity", "3MM"), "--host-capacity: cannot read '3MM' as a size"),  # was a list
+    (("bench", "--blocks", "1", "--disk-blocks", "0"), "must be positive"),  # 0 was taken as the default
+    (("bench", "--blocks", "1", "--lookup-tokens", "10"), "--lookup-tokens must be at least one 64-token block"),
 ])
 def test_bad_flags_give_a_clear_error_and_exit_2(args, message):
     done = kvstore(*args)
@@ -348,3 +352,14 @@ def test_a_long_prompt_too_short_for_a_cached_page_and_a_suffix_is_refused(capsy
     code, out, err = run_main(capsys, "demo", "--quick", "--long-prompt-tokens", tokens)
     assert (code, out) == (2, "")
     assert "--long-prompt-tokens) must be at least 128" in err and f"got {tokens}" in err
+
+
+def test_bench_sidecar_without_redis_py_is_refused_before_the_benchmark_runs(tmp_path):
+    """It was refused after the whole store benchmark had run, its figures thrown away."""
+    fake = tmp_path / "redis"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise ImportError('redis-py is not installed here')\n")
+    done = kvstore("bench", "--blocks", "2", "--sidecar", env={"PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"},
+                   timeout=60)
+    assert done.returncode == 2 and "needs redis-py" in done.stderr
+    assert "host tier" not in done.stderr, "nothing was measured first"

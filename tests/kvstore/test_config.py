@@ -21,6 +21,24 @@ def test_parse_size_rejects_garbage_with_examples(text):
         parse_size(text)
 
 
+@pytest.mark.parametrize("text, message", [
+    ("0.5", "'0.5' is less than one byte"),  # rounded to 0, which disables a tier
+    ("1" * 400, "is more than any machine holds"),  # float infinity: OverflowError
+    ("99999999999999999999TiB", "is more than any machine holds"),
+])
+def test_parse_size_refuses_a_size_below_one_byte_or_past_any_machine(text, message):
+    with pytest.raises(InvalidRequest, match=message):
+        parse_size(text)
+
+
+def test_a_host_tier_larger_than_this_machine_is_refused_before_anything_is_allocated(tmp_path):
+    """3.6 PB raised MemoryError from the slab's page list, before the shared-memory check could say why."""
+    from kvstore.tiers.host import HostTier
+
+    with pytest.raises(InvalidRequest, match="more than this machine's memory"):
+        HostTier(4_000_000 << 40, shm_dir=str(tmp_path))
+
+
 def test_environment_sets_every_knob(tmp_path):
     env = {"KVSTORE_HOST_CAPACITY": "8MiB", "KVSTORE_DISK_PATH": str(tmp_path / "d"),
            "KVSTORE_DISK_CAPACITY": "16MiB", "KVSTORE_DURABLE": "yes", "KVSTORE_POLICY": "lru",

@@ -117,6 +117,9 @@ def test_not_a_disk_tier_is_a_clear_error(tmp_path, disk_dir):
         fsck(str(disk_dir.parent))
     with pytest.raises(InvalidRequest, match="missing does not exist; give a disk tier's directory"):
         fsck(str(tmp_path / "missing"))
+    (tmp_path / "file").write_text("x")  # it was said to be unreadable by this user
+    with pytest.raises(InvalidRequest, match="file is a file, not a directory; give a disk tier's directory"):
+        fsck(str(tmp_path / "file"))
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="drops root's file-access capabilities")

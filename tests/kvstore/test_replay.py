@@ -3,6 +3,7 @@
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 
@@ -314,6 +315,9 @@ def test_cli_sweep_honours_no_optimal(capsys, tmp_path):
     (("--capacity-tokens", "2k", "--tiers", "host=nan,disk=0.5"), "tier shares must be positive"),
     (("--sweep", "--plot", "curve"), "cannot plot to curve: give the file an extension naming its format"),
     (("--sweep", "--plot", ""), "--plot needs a file name, such as curve.png"),
+    (("--capacity-tokens=1e999999999",), "'1e999999999' is more tokens than any cache holds"),  # decimal.Overflow
+    (("--sweep", "--capacities", "1e999999999GiB", "--model", "deepseek-v3"), "more tokens than any cache holds"),
+    (("--sweep", "--policy", "lru"), "--policy is for one replay; with --sweep give --policies"),  # was ignored
 ])
 def test_cli_refuses_bad_input_in_one_line_exit_2(capsys, tmp_path, monkeypatch, args, message):
     """Each was a traceback, a late refusal or a misleading one before. The trace has a non-UTF-8
@@ -324,3 +328,12 @@ def test_cli_refuses_bad_input_in_one_line_exit_2(capsys, tmp_path, monkeypatch,
     code, out, err = _main(capsys, "replay", str(path), *args)
     assert (code, out) == (2, "") and err.startswith("kvstore replay: ") and err.count("\n") == 1
     assert message in err
+
+
+@pytest.mark.skipif(bool(shutil.which("xelatex")), reason="a LaTeX that pgf runs is installed")
+def test_a_plot_format_matplotlib_cannot_write_here_is_refused_before_the_sweep(capsys, tmp_path):
+    """pgf was accepted, and failed for want of xelatex after the whole sweep had run."""
+    path = tmp_path / "t.jsonl"
+    write_trace(str(path), [req(1, 2), req(1, 2)])
+    code, out, err = _main(capsys, "replay", str(path), "--sweep", "--plot", str(tmp_path / "curve.pgf"))
+    assert code == 2 and "unknown format 'pgf'" in err

@@ -53,6 +53,7 @@ def test_a_value_that_cannot_be_read_is_refused_naming_its_variable(key, value, 
     ({"KVSTORE_MAX_TRANSFER_BLOCKS": "0"}, "^KVSTORE_MAX_TRANSFER_BLOCKS: must be positive and finite, got 0$"),
     ({"KVSTORE_STREAM_IDLE_TIMEOUT_S": "-5"}, "^KVSTORE_STREAM_IDLE_TIMEOUT_S: must be positive and finite, got -5.0$"),
     ({"KVSTORE_MAX_MESSAGE_BYTES": "1MiB"}, r"^KVSTORE_MAX_MESSAGE_BYTES: max_message_bytes \(1048576\) must exceed"),
+    ({"KVSTORE_MAX_MESSAGE_BYTES": "3GiB"}, r"^KVSTORE_MAX_MESSAGE_BYTES: max_message_bytes must be at most 2147483647"),
     (as_environment({"max_transfer_blocks": 0}, "serve.toml"),
      "^max_transfer_blocks in serve.toml: must be positive and finite, got 0$"),
 ])
