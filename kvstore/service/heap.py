@@ -18,6 +18,8 @@ import ctypes
 import os
 import sys
 
+from kvstore.config import parse_bool, read_setting
+
 MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's own ceiling for its adaptive threshold
 TRIM_THRESHOLD_BYTES = 1 << 30
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # malloc.h
@@ -25,8 +27,9 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # malloc.h
 
 def keep_heap_for_transfers() -> bool:
     """Set glibc's mmap and trim thresholds (idempotent); False where libc is not glibc or
-    ``KVSTORE_KEEP_HEAP=0``."""
-    if os.environ.get("KVSTORE_KEEP_HEAP", "1").strip().lower() in ("0", "false", "no", "off"):
+    ``KVSTORE_KEEP_HEAP=0``. A value that is no boolean (``maybe``) raises ``InvalidRequest``
+    naming the variable (it counted as on)."""
+    if "KVSTORE_KEEP_HEAP" in os.environ and not read_setting(os.environ, "KVSTORE_KEEP_HEAP", parse_bool):
         return False
     if not sys.platform.startswith("linux"):
         return False

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from kvstore.errors import InvalidRequest
+from kvstore.service.heap import keep_heap_for_transfers
 from tests.kvstore.service.test_serve_process import REPO
 
 PROBE = """
@@ -42,3 +44,16 @@ def test_a_freed_transfer_buffer_stays_in_the_heap():
 def test_keep_heap_off_leaves_glibc_returning_the_buffer():
     default = probe(KVSTORE_KEEP_HEAP="0")
     assert not default["kept"] and default["retained"] < 4 << 20, default
+
+
+@pytest.mark.parametrize("value, kept", [("off", False), ("", False), ("yes", True)])
+def test_keep_heap_reads_booleans_as_every_other_setting_does(monkeypatch, value, kept):
+    monkeypatch.setenv("KVSTORE_KEEP_HEAP", value)
+    assert keep_heap_for_transfers() is kept or (kept and not sys.platform.startswith("linux"))
+
+
+def test_keep_heap_refuses_a_value_that_is_no_boolean_naming_the_variable(monkeypatch):
+    """``maybe`` counted as on, where every other boolean setting refuses it."""
+    monkeypatch.setenv("KVSTORE_KEEP_HEAP", "maybe")
+    with pytest.raises(InvalidRequest, match="^KVSTORE_KEEP_HEAP: cannot read 'maybe' as a boolean"):
+        keep_heap_for_transfers()
