@@ -10,6 +10,7 @@ import asyncio
 import errno
 import os
 import threading
+import time
 from dataclasses import replace
 
 import grpc
@@ -432,14 +433,15 @@ def test_an_unbindable_address_is_refused_with_a_message(store, tmp_path):
 
 def test_a_duplicate_is_durable_only_once_a_flush_followed_its_copy_reaching_the_disk(make_store, start_server,
                                                                                    namespace, spec, chain):
-    """Engine A puts a block; its copy to the disk runs inline (backpressure) and lands just after
-    engine B's duplicate put has flushed. B was answered durable=True though no flush had synced
-    that copy: a crash then lost a block called durable. Now a flush follows every durable answer's
-    last block reaching the disk."""
+    """Engine A puts a block; its copy to the disk runs inline (backpressure) and lands only later.
+    Engine B's duplicate put was answered durable=True once its flush ran, before that copy had
+    landed: a crash then lost a block called durable. Since session 32 a flush follows every
+    durable answer's last block reaching the disk; since session 33 B's put also waits for A's
+    put of the block to finish before calling it a duplicate."""
     store = make_store(host_bytes=1 << 20, disk_bytes=4 << 20, background_writes=False)
     ns_id = store.register_namespace(namespace)
     disk, events = store.tiers[1], []
-    a_copying, copy_may_land, copy_landed = threading.Event(), threading.Event(), threading.Event()
+    a_copying, copy_may_land = threading.Event(), threading.Event()
     write, flush = disk.write, disk.flush
 
     def a_slow_copy(*args):
@@ -447,35 +449,40 @@ def test_a_duplicate_is_durable_only_once_a_flush_followed_its_copy_reaching_the
         copy_may_land.wait(10)
         written = write(*args)
         events.append("written")
-        copy_landed.set()
         return written
 
-    def flush_then_let_the_copy_land():
-        flushed = flush()
+    def recorded_flush():
         events.append("flushed")
-        if a_copying.is_set() and not copy_may_land.is_set():
-            copy_may_land.set()
-            copy_landed.wait(10)
-        return flushed
+        return flush()
 
-    disk.write, disk.flush = a_slow_copy, flush_then_let_the_copy_land
+    disk.write, disk.flush = a_slow_copy, recorded_flush
     server = start_server(store, durable_puts=True)
     payload = payloads_for(spec, chain[:1])[0]
     engine_a = threading.Thread(target=store.put, args=(ns_id, chain[:1], [payload]))
     engine_a.start()
-    try:
-        assert a_copying.wait(10)
+    replies = []
+
+    def engine_b():
         with grpc.insecure_channel(server.target) as channel:
             header = pb.PutHeader(namespace_id=ns_id, block_hashes=chain[:1], block_bytes=spec.block_bytes)
             chunk = pb.Chunk(block_index=0, offset=0, data=payload.tobytes())
-            reply = KVStoreStub(channel).Put(iter([pb.PutRequest(header=header), pb.PutRequest(chunk=chunk)]),
-                                             timeout=30)
+            replies.append(KVStoreStub(channel).Put(iter([pb.PutRequest(header=header), pb.PutRequest(chunk=chunk)]),
+                                                    timeout=30))
+
+    b = threading.Thread(target=engine_b)
+    try:
+        assert a_copying.wait(10)
+        b.start()
+        time.sleep(0.3)
+        assert not replies and "flushed" not in events, "B waits for A's put of the block"
     finally:
         copy_may_land.set()
         engine_a.join(10)
+        b.join(30)
+    reply = replies[0]
     assert reply.duplicates == 1 and disk.contains(ns_id + chain[0])
     assert reply.durable, "the block is on the disk and a flush followed"
-    assert events[:2] == ["flushed", "written"] and "flushed" in events[2:], "synced after it was written"
+    assert events[0] == "written" and "flushed" in events[1:], "synced after it was written"
 
 
 def test_a_put_is_not_durable_when_the_disk_tier_could_not_fsync(make_store, start_server, namespace, spec, chain,
