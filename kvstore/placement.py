@@ -5,10 +5,11 @@ under the lock: writes and demotions run between holdings of it, evictions only 
 
 ``PlacementMixin`` is half of ``TieredStore`` (kept apart to keep each file to one concern). It
 expects the host class to provide ``tiers``, ``_policies``, ``_lock`` (re-entrant), ``_leases``,
-``_inflight``, ``_put_done`` (a condition of ``_lock``), ``_doomed``, ``_placing``, ``_copy_backlog``, ``_counters``, ``_writer``, ``write_policy``, ``_shadows``
-and the bookkeeping methods ``_bits``, ``_publish``, ``_forget`` and ``_bury_doomed``. Methods whose
-docstring says "caller holds the lock" must be called under ``_lock``; the others take it
-themselves and copy bytes outside it.
+``_inflight``, ``_put_done`` (a condition of ``_lock``), ``_doomed``, ``_deletions``, ``_placing``,
+``_copy_backlog``, ``_counters``, ``_writer``, ``write_policy``, ``_shadows`` and the bookkeeping
+methods ``_bits``, ``_publish``, ``_forget`` and ``_bury_doomed``. Methods whose docstring says
+"caller holds the lock" must be called under ``_lock``; the others take it themselves and copy
+bytes outside it.
 """
 
 from __future__ import annotations
@@ -46,20 +47,21 @@ class PlacementMixin:
             policy.size_for_store(min(1.0, capacity / store) if capacity > 0 and store > 0 else 1.0)
         return policies
 
-    def _put_one(self, key: bytes, view: np.ndarray, meta: BlockMeta, deleted: Callable[[], bool]) -> str:
+    def _put_one(self, ns_id: bytes, block_hash: bytes, view: np.ndarray, meta: BlockMeta, deletions: int) -> str:
         """Store one block of a put in the first tier that admits it and has room: "stored",
-        "duplicate" (held already) or "rejected" (also where ``deleted()``, asked under the lock,
-        says the namespace was deleted since the put began). A block another put is writing is
+        "duplicate" (held already) or "rejected" (also where the namespace was deleted since the
+        put began: it had seen ``deletions`` deletions of it). A block another put is writing is
         waited for (up to ``INFLIGHT_WAIT_S``, then rejected): that write may yet fail, and a
         duplicate of a block never stored would let the blocks after it be stored below a gap.
         The policies of the faster tiers, which did not store it, are told it came and went
         (``_bypass``); those of the slower ones that another tier stored it
         (``on_stored_elsewhere``), before any copy of it moves in (write-through, demotion)."""
+        key = ns_id + block_hash
         with self._lock:
             deadline = time.monotonic() + INFLIGHT_WAIT_S
             while key in self._inflight and self._put_done.wait(max(0.0, deadline - time.monotonic())):
                 pass
-            if key in self._doomed or deleted() or key in self._inflight:  # doomed: deleted, still leased
+            if key in self._doomed or self._deletions[ns_id] != deletions or key in self._inflight:  # doomed: leased
                 return "rejected"
             if self._bits(key):
                 return "duplicate"

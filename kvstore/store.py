@@ -333,15 +333,12 @@ class TieredStore(PlacementMixin, LeaseHolderMixin):
         views = [byte_view(p) for p in payloads]
         for view in views:
             check_size(view, spec.block_bytes, "block payload")
-        if parent is not None:
-            with self._lock:
-                if self._would_loop({ns_id + h for h in block_hashes}, ns_id + parent):
-                    raise InvalidRequest(
-                        f"parent {parent.hex()} descends from a block of this put: storing it would make a "
-                        "block its own ancestor (the parent must be the block before block_hashes[0])")
         with self._lock:
-            deletions = self._deletions[ns_id]
-        deleted = lambda: self._deletions[ns_id] != deletions  # noqa: E731 (asked under the lock)
+            if parent is not None and self._would_loop({ns_id + h for h in block_hashes}, ns_id + parent):
+                raise InvalidRequest(
+                    f"parent {parent.hex()} descends from a block of this put: storing it would make a "
+                    "block its own ancestor (the parent must be the block before block_hashes[0])")
+            deletions = self._deletions[ns_id]  # a delete_namespace from now on rejects the blocks not begun
         outcome = {"stored": 0, "duplicate": 0, "rejected": 0}  # a plain dict: Counter's misses cost a call
         previous = parent
         checksums = checksums_ahead(views, spec.num_layers, self._hasher)
@@ -351,7 +348,7 @@ class TieredStore(PlacementMixin, LeaseHolderMixin):
                 if outcome["rejected"]:  # below a block not stored, no lookup could reach it
                     outcome[self._bypass(range(len(self.tiers)), ns_id + block_hash, meta)] += 1
                 else:
-                    outcome[self._put_one(ns_id + block_hash, view, meta, deleted)] += 1
+                    outcome[self._put_one(ns_id, block_hash, view, meta, deletions)] += 1
                 previous = block_hash
         finally:
             checksums.close()
