@@ -34,8 +34,8 @@ from kvstore.lease import MAX_LEASED_BLOCKS
 from kvstore.policies import DEFAULT_POLICY, POLICIES
 from kvstore.store import WRITE_POLICIES, TieredStore
 from kvstore.tiers.disk import DiskTier
-from kvstore.tiers.disk_files import allocated_bytes
-from kvstore.tiers.host import HostTier
+from kvstore.tiers.disk_files import allocated_bytes, disk_capacity_problem
+from kvstore.tiers.host import PAGE_ALIGN, HostTier, host_capacity_problem
 from kvstore.tiers.shm_segment import default_shm_dir
 
 ENV_PREFIX = "KVSTORE_"
@@ -52,16 +52,52 @@ def parse_size(text: str | int) -> int:
     between 0 and one byte (``"0.5"``: 0 would disable a tier) or past ``MAX_SIZE`` is refused."""
     if isinstance(text, int):
         return text
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise InvalidRequest(f"cannot read {text!r} as a size; examples: 4GiB, 512MB, 1048576")
-    exact = Fraction(match.group(1)) * _UNITS[unit]
-    if exact > MAX_SIZE:
-        raise InvalidRequest(f"{str(text).strip()!r} is more than any machine holds (at most 2**63 - 1 bytes)")
+    exact = _exact_amount(text, "a size; examples: 4GiB, 512MB, 1048576")
     if 0 < exact < 1:
         raise InvalidRequest(f"{str(text).strip()!r} is less than one byte (0 disables a tier; give whole bytes)")
     return int(exact)
+
+
+def parse_count(text: str) -> int:
+    """``"16384"``, ``"16k"`` -> a whole number of things (blocks, leases); ``"1.5"`` is refused."""
+    exact = _exact_amount(text, "a count; examples: 16384, 16k")
+    if exact.denominator != 1:
+        raise InvalidRequest(f"{str(text).strip()!r} is not a whole number")
+    return int(exact)
+
+
+def _exact_amount(text: str, what: str) -> Fraction:
+    """A number with an optional decimal unit or binary byte unit, exactly, at most ``MAX_SIZE``."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise InvalidRequest(f"cannot read {text!r} as {what}")
+    exact = Fraction(match.group(1)) * _UNITS[unit]
+    if exact > MAX_SIZE:
+        raise InvalidRequest(f"{str(text).strip()!r} is more than any machine holds (at most 2**63 - 1)")
+    return exact
+
+
+def tier_size(problem: Callable[[int], str | None]) -> Callable[[str], int]:
+    """A parser of a tier's capacity: a size, 0 (the tier disabled) or one ``problem`` does not refuse."""
+    def parse(text: str) -> int:
+        size = parse_size(text)
+        if size and (reason := problem(size)):
+            raise InvalidRequest(reason)
+        return size
+    return parse
+
+
+host_size = tier_size(host_capacity_problem)
+disk_size = tier_size(disk_capacity_problem)
+
+
+def host_page_size(text: str) -> int:
+    """The host tier's page size: a size of at least ``PAGE_ALIGN`` bytes."""
+    size = parse_size(text)
+    if size < PAGE_ALIGN:
+        raise InvalidRequest(f"the host tier's page size must be at least {PAGE_ALIGN} bytes, got {size}")
+    return size
 
 
 def existing_directory(text: str) -> str:
@@ -154,11 +190,11 @@ class StoreConfig:
         command's flags say). A tier whose capacity ends up 0 is disabled."""
         env = os.environ if environ is None else environ
         host, disk = HostConfig(), DiskConfig()
-        for target, name, key, parse in ((host, "capacity_bytes", "HOST_CAPACITY", parse_size),
+        for target, name, key, parse in ((host, "capacity_bytes", "HOST_CAPACITY", host_size),
                                          (host, "shm_dir", "SHM_DIR", existing_directory),
-                                         (host, "page_bytes", "HOST_PAGE_BYTES", parse_size),
+                                         (host, "page_bytes", "HOST_PAGE_BYTES", host_page_size),
                                          (disk, "path", "DISK_PATH", str),
-                                         (disk, "capacity_bytes", "DISK_CAPACITY", parse_size),
+                                         (disk, "capacity_bytes", "DISK_CAPACITY", disk_size),
                                          (disk, "durable", "DURABLE", parse_bool),
                                          (disk, "direct_io", "DIRECT_IO", parse_bool)):
             if ENV_PREFIX + key in env:

@@ -22,7 +22,7 @@ import logging
 import os
 import sys
 
-from kvstore.config import StoreConfig, default_data_dir, parse_size, read_as
+from kvstore.config import StoreConfig, default_data_dir, disk_size, host_size, read_as
 from kvstore.errors import KVStoreError, describe_os_error
 from kvstore.service.config import DEFAULT_ADDRESS, ServeConfig, staging_size
 from kvstore.service.config_file import layered_environment
@@ -77,9 +77,9 @@ def store_config(args: argparse.Namespace, environ=None) -> StoreConfig:
     if args.data_dir:
         disk["path"] = os.path.join(args.data_dir, "disk")
     if args.host_capacity is not None:
-        host["capacity_bytes"] = read_as("--host-capacity", args.host_capacity, parse_size)
+        host["capacity_bytes"] = read_as("--host-capacity", args.host_capacity, host_size)
     if args.disk_capacity is not None:
-        disk["capacity_bytes"] = read_as("--disk-capacity", args.disk_capacity, parse_size)
+        disk["capacity_bytes"] = read_as("--disk-capacity", args.disk_capacity, disk_size)
     return StoreConfig.from_env(environ, host_settings=host, disk_settings=disk)
 
 

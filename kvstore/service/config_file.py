@@ -33,6 +33,9 @@ STORE_KEYS = ("host_capacity", "host_page_bytes", "shm_dir", "disk_path", "disk_
 # Every ServeConfig setting (limits are flat keys of their own), so a new setting cannot be left out.
 SERVE_KEYS = (*(f.name for f in fields(ServeConfig) if f.name != "limits"), *(f.name for f in fields(ServiceLimits)))
 KNOWN_KEYS = frozenset(STORE_KEYS + SERVE_KEYS + ("data_dir",))
+# The on/off settings: a TOML true or false anywhere else (shutdown_grace_s = true) is a mistake, not 1 or 0.
+BOOLEAN_KEYS = frozenset(("durable", "direct_io", "promote_on_hit",
+                          *(f.name for f in fields(ServeConfig) if f.type == "bool")))
 
 
 def read_config_file(path: str) -> Settings:
@@ -56,10 +59,16 @@ def as_environment(table: Mapping[str, object], source: str = "the config file")
     unknown = sorted(set(table) - KNOWN_KEYS)
     if unknown:
         raise InvalidRequest(f"{source}: unknown keys {unknown}; known keys: {sorted(KNOWN_KEYS)}")
+    if "data_dir" in table and "disk_path" in table:
+        raise InvalidRequest(f"{source}: data_dir and disk_path both say where the disk tier lives "
+                             "(in DATA_DIR/disk, or at DISK_PATH); keep one")
     env, origins = {}, {}
     for key, value in table.items():
         if isinstance(value, (dict, list)):
             raise InvalidRequest(f"{source}: {key} must be a string, number or boolean, got {type(value).__name__}")
+        if isinstance(value, bool) and key not in BOOLEAN_KEYS:
+            raise InvalidRequest(f"{source}: {key} is not an on/off setting, got {str(value).lower()}; "
+                                 f"the on/off ones are {sorted(BOOLEAN_KEYS)}")
         text = ("1" if value else "0") if isinstance(value, bool) else str(value)
         variable = ENV_PREFIX + ("DISK_PATH" if key == "data_dir" else key.upper())
         env[variable] = os.path.join(text, "disk") if key == "data_dir" else text

@@ -44,7 +44,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 from typing import Callable, Iterator, Mapping
 
-from kvstore.config import ENV_PREFIX, Settings, parse_seconds, parse_size, read_setting
+from kvstore.config import ENV_PREFIX, Settings, parse_count, parse_seconds, parse_size, read_setting
 from kvstore.errors import InvalidRequest, KVStoreError, NotPermitted, UnknownLease
 
 MESSAGE_OVERHEAD_BYTES = 1 << 10  # room for a chunk's index, offset and framing
@@ -99,8 +99,7 @@ class ServiceLimits:
         engine never sends a batch its sidecar was told to refuse."""
         env = os.environ if environ is None else environ
         given = [(f, key) for f in fields(cls) if (key := ENV_PREFIX + f.name.upper()) in env]
-        values = {f.name: read_setting(env, key, _positive(parse_seconds if f.type == "float" else parse_size))
-                  for f, key in given}
+        values = {f.name: read_setting(env, key, _positive(_parser(f.name, f.type))) for f, key in given}
         try:
             return cls(**values)
         except InvalidRequest as exc:  # a rule between fields (a message fits in max_message_bytes)
@@ -144,6 +143,11 @@ class ServiceLimits:
         round through the event loop, so a tiny size is raised instead of sending a byte a message."""
         floor = min(MIN_CHUNK_BYTES, self.max_chunk_bytes)
         return max(min(requested or self.max_chunk_bytes, self.max_chunk_bytes), floor)
+
+
+def _parser(name: str, kind: str) -> Callable[[str], float | int]:
+    """How a limit's setting reads: seconds, bytes (``4MiB``) or a count of things (``16k``, not ``1.5``)."""
+    return parse_seconds if kind == "float" else parse_size if "bytes" in name else parse_count
 
 
 def _positive(parse):

@@ -59,7 +59,7 @@ from kvstore.tiers.base import KEY_BYTES, BlockMeta, Tier, TierStats
 from kvstore.tiers.direct_io import pwritev_all, read_record_direct, write_record_direct
 from kvstore.tiers.disk_files import (
     BLOCK_KEY_PREFIX, NEXT_SEQ_KEY, NEXT_SEQ_VALUE, TAIL_KEY, TAIL_VALUE, DirectoryLock, IndexEntry, SegmentFile,
-    fsync_directory, open_index, segment_name, supports_direct, truncate_quietly, warn_if_oversized,
+    disk_capacity_problem, fsync_directory, open_index, segment_name, supports_direct, truncate_quietly, warn_if_oversized,
 )
 from kvstore.tiers.disk_reclaim import DiskReclaim
 from kvstore.tiers.disk_recovery import DiskRecovery
@@ -86,9 +86,8 @@ class DiskTier(DiskRecovery, DiskReclaim, Tier):
         progress: Callable[[str, int], Callable[[int], None]] | None = None,
         direct_io: bool = True,
     ):
-        if capacity_bytes < HEADER_BYTES * 2:
-            raise InvalidRequest(f"disk tier capacity must be at least {HEADER_BYTES * 2} bytes (0 disables the tier), "
-                                 f"got {capacity_bytes}; --disk-capacity or KVSTORE_DISK_CAPACITY")
+        if problem := disk_capacity_problem(capacity_bytes):
+            raise InvalidRequest(f"{problem}; --disk-capacity or KVSTORE_DISK_CAPACITY")
         self.path = os.path.abspath(path)
         self.capacity_bytes = capacity_bytes
         self.segment_bytes = segment_bytes

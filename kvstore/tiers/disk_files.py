@@ -177,6 +177,16 @@ def room_for_tier(path: str) -> int:
     return shutil.disk_usage(path).free + allocated_bytes(path)
 
 
+MIN_DISK_CAPACITY = HEADER_BYTES * 2
+
+
+def disk_capacity_problem(capacity_bytes: int) -> str | None:
+    """Why a disk tier cannot have ``capacity_bytes``, or None."""
+    if capacity_bytes < MIN_DISK_CAPACITY:
+        return f"disk tier capacity must be at least {MIN_DISK_CAPACITY} bytes (0 disables the tier), got {capacity_bytes}"
+    return None
+
+
 def warn_if_oversized(path: str, capacity_bytes: int) -> None:
     """Warn when a tier's capacity is more than its file system can give it: it would fill the file
     system, and then its index (which RocksDB writes at every open) could not open again."""

@@ -243,19 +243,25 @@ class HostTier(Tier):
             raise StoreClosed("host tier is closed")
 
 
+def host_capacity_problem(capacity_bytes: int) -> str | None:
+    """Why a host tier cannot have ``capacity_bytes``, or None. Past the machine's memory it is
+    refused before the slab: its page list alone could exhaust it."""
+    if capacity_bytes < PAGE_ALIGN:
+        return f"host tier capacity must be at least {PAGE_ALIGN} bytes (0 disables the tier), got {capacity_bytes}"
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if capacity_bytes > memory:
+        return f"host tier capacity {capacity_bytes} bytes is more than this machine's memory ({memory} bytes)"
+    return None
+
+
 def _slab_for(capacity_bytes: int, page_bytes: int) -> SlabAllocator:
     """The slab over a host arena: pages of ``page_bytes`` (the capacity when smaller), both rounded
     down to 4096; a capacity that is not a whole number of pages loses the rest, and says so."""
     if page_bytes < PAGE_ALIGN:
         raise InvalidRequest(f"host tier page size must be at least {PAGE_ALIGN} bytes (KVSTORE_HOST_PAGE_BYTES), "
                              f"got {page_bytes}")
-    if capacity_bytes < PAGE_ALIGN:
-        raise InvalidRequest(f"host tier capacity must be at least {PAGE_ALIGN} bytes (0 disables the tier), got "
-                             f"{capacity_bytes}; --host-capacity or KVSTORE_HOST_CAPACITY")
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if capacity_bytes > memory:  # before the slab: its page list alone could exhaust memory
-        raise InvalidRequest(f"host tier capacity {capacity_bytes} bytes is more than this machine's memory "
-                             f"({memory} bytes); lower --host-capacity or KVSTORE_HOST_CAPACITY")
+    if problem := host_capacity_problem(capacity_bytes):
+        raise InvalidRequest(f"{problem}; --host-capacity or KVSTORE_HOST_CAPACITY")
     slab = SlabAllocator(capacity_bytes, min(page_bytes, capacity_bytes) // PAGE_ALIGN * PAGE_ALIGN)
     if note := unused_capacity("host tier", capacity_bytes, slab, "KVSTORE_HOST_PAGE_BYTES"):
         log.log(*note)

@@ -153,3 +153,53 @@ def test_a_shared_memory_directory_that_is_no_directory_is_refused_naming_the_fi
     config.write_text(f'shm_dir = "{make(tmp_path)}"\n')
     with pytest.raises(InvalidRequest, match=f"shm_dir in {config}: '{make(tmp_path)}' (does not exist|is not a dir)"):
         store_config(serve_args(), layered_environment(str(config), {}))
+
+
+@pytest.mark.parametrize("text, key, refusal", [
+    ('host_capacity = "100"', "host_capacity", "host tier capacity must be at least 4096 bytes"),
+    ('disk_capacity = "1KiB"', "disk_capacity", "disk tier capacity must be at least"),
+    ('host_page_bytes = "1KiB"', "host_page_bytes", "the host tier's page size must be at least 4096 bytes"),
+])
+def test_a_capacity_the_tier_would_refuse_is_refused_naming_the_file_key(tmp_path, text, key, refusal):
+    """Before, "100" parsed, and the tier then refused it naming --host-capacity or KVSTORE_HOST_CAPACITY,
+    neither of which the operator had set."""
+    config = tmp_path / "kvstore.toml"
+    config.write_text(text + "\n")
+    with pytest.raises(InvalidRequest, match=f"^{key} in {re.escape(str(config))}: {refusal}"):
+        store_config(serve_args(), layered_environment(str(config), {}))
+    with pytest.raises(InvalidRequest, match=f"^--host-capacity: {refusal}" if key == "host_capacity" else "."):
+        store_config(serve_args("--host-capacity", "100", "--disk-capacity", "1KiB"), {})
+
+
+def test_a_flag_capacity_past_the_machine_memory_is_refused_naming_the_flag():
+    with pytest.raises(InvalidRequest, match="^--host-capacity: host tier capacity .* is more than this machine's memory"):
+        store_config(serve_args("--host-capacity", "1000TiB"), {})
+
+
+@pytest.mark.parametrize("table, refusal", [
+    ({"shutdown_grace_s": True}, "shutdown_grace_s is not an on/off setting, got true"),  # was read as 1 s
+    ({"host_capacity": False}, "host_capacity is not an on/off setting, got false"),  # was 0: the tier disabled
+    ({"data_dir": "/a", "disk_path": "/b"}, "data_dir and disk_path both say where the disk tier lives"),
+])
+def test_a_file_value_of_the_wrong_kind_or_a_contradiction_is_refused(table, refusal):
+    with pytest.raises(InvalidRequest, match=f"^store.toml: {refusal}"):
+        as_environment(table, "store.toml")
+
+
+def test_a_file_boolean_still_sets_an_on_off_setting():
+    environ = as_environment({"durable": True, "direct_io": False, "protect_metrics": True})
+    store, serve = StoreConfig.from_env(environ), ServeConfig.from_env(environ)
+    assert (store.disk.durable, store.disk.direct_io, serve.protect_metrics) == (True, False, True)
+
+
+@pytest.mark.parametrize("value", [1.5, "2.0005k", "0.5"])
+def test_a_count_limit_must_be_a_whole_number(value):
+    """Before, max_lookup_blocks = 1.5 was floored to 1."""
+    with pytest.raises(InvalidRequest, match=r"^max_lookup_blocks in store.toml: .* is not a whole number"):
+        ServeConfig.from_env(as_environment({"max_lookup_blocks": value}, "store.toml"))
+
+
+def test_count_and_byte_limits_read_their_units():
+    limits = ServeConfig.from_env(as_environment({"max_lookup_blocks": "16k", "max_chunk_bytes": "512KiB",
+                                                  "max_leases_per_client": 7})).limits
+    assert (limits.max_lookup_blocks, limits.max_chunk_bytes, limits.max_leases_per_client) == (16000, 512 << 10, 7)
