@@ -148,17 +148,20 @@ def _cannot_listen(address: str, reason: str) -> InvalidRequest:
 
 def refuse_a_taken_port(address: str) -> None:
     """``InvalidRequest`` if a plain bind of ``HOST:PORT`` fails (in use, no such local address, a
-    host that does not resolve): gRPC would fail too, but only after logging its own error line to
-    stderr, ahead of ours. Unix sockets are left to gRPC."""
+    host that does not resolve), or a ``unix:PATH``'s directory is missing or not this user's to
+    write: gRPC would fail too, but only after logging its own error line to stderr, ahead of ours."""
     if (reason := plain_bind_error(address)) is not None:
         raise _cannot_listen(address, reason)
 
 
 def plain_bind_error(address: str) -> str | None:
-    """The OS's answer to binding ``HOST:PORT`` as gRPC would (SO_REUSEADDR); None if it binds (or
-    ``address`` is no ``HOST:PORT``: gRPC's own parsing has the say)."""
+    """The OS's answer to binding ``HOST:PORT`` as gRPC would (SO_REUSEADDR), or why a ``unix:PATH``
+    cannot be created; None if it binds (or ``address`` is no ``HOST:PORT``: gRPC's own parsing
+    has the say)."""
     host, _, port = address.rpartition(":")
-    if unix_path(address) is not None or not port.isdigit():
+    if (path := unix_path(address)) is not None:
+        return _unix_directory_problem(path)
+    if not port.isdigit():
         return None
     try:
         with socket.create_server((host.strip("[]"), int(port)), family=_family(host)):
@@ -169,15 +172,18 @@ def plain_bind_error(address: str) -> str | None:
         return (exc.strerror or str(exc)).split(" (while attempting to bind", 1)[0]  # create_server's own addition
 
 
+def _unix_directory_problem(path: str) -> str | None:
+    """Why a socket cannot be created at ``path`` for want of its directory, or None."""
+    directory = os.path.dirname(path) or "."
+    if not os.path.isdir(directory):
+        return f"the directory {directory} does not exist"
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return f"this user may not create a socket in {directory}"
+    return None
+
+
 def _bind_failure(address: str) -> str:
     """Why ``address`` cannot be bound (gRPC's error does not say): the OS's answer to a plain bind."""
-    if (path := unix_path(address)) is not None:
-        directory = os.path.dirname(path) or "."
-        if not os.path.isdir(directory):
-            return f"the directory {directory} does not exist"
-        if not os.access(directory, os.W_OK | os.X_OK):
-            return f"this user may not create a socket in {directory}"
-        return "is it in use?"
     return plain_bind_error(address) or "is it in use?"
 
 

@@ -314,6 +314,18 @@ def test_a_unix_socket_in_a_directory_the_user_may_not_write_names_that_cause(tm
                           env={**os.environ, "PYTHONPATH": REPO, "KVSTORE_SHM_DIR": str(tmp_path)})
     assert done.returncode == 2, done.stderr
     assert f"this user may not create a socket in {directory}" in done.stderr
+    assert "Failed to add port" not in done.stderr, "gRPC's own line came first"
+
+
+def test_a_unix_socket_in_a_missing_directory_is_refused_before_grpc_logs_its_own_line(tmp_path):
+    """Before session 34 gRPC's 'add_port.cc ... Failed to add port to server' line came first."""
+    done = subprocess.run([sys.executable, "-m", "kvstore.cli", "serve", "--address", f"unix:{tmp_path}/no/kv.sock",
+                           "--http-address", "off", "--data-address", "off", "--host-capacity", "4MiB",
+                           "--disk-capacity", "0"], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": REPO, "KVSTORE_SHM_DIR": str(tmp_path)})
+    assert done.returncode == 2, done.stderr
+    assert f"the directory {tmp_path}/no does not exist" in done.stderr
+    assert "Failed to add port" not in done.stderr, done.stderr
 
 
 def test_the_server_pings_its_clients_to_find_vanished_hosts():
