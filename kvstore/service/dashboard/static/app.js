@@ -166,12 +166,17 @@ const charts = {
   plots: new Map(),
   update(figureId, shape, options, data) {
     let entry = this.plots.get(figureId);
-    if (entry && entry.shape !== shape) { entry.plot.destroy(); entry = null; }
+    if (entry && entry.shape !== shape) {
+      entry.resize.disconnect(); // else the destroyed plot's observer lives on, one more per rebuild
+      entry.plot.destroy();
+      entry = null;
+    }
     if (!entry) {
       const box = document.querySelector(`#${figureId} .plot`);
       const plot = new uPlot({ ...options(), width: box.clientWidth, height: CHART_HEIGHT }, data, box);
-      new ResizeObserver(() => plot.setSize({ width: box.clientWidth, height: CHART_HEIGHT })).observe(box);
-      entry = { shape, plot };
+      const resize = new ResizeObserver(() => plot.setSize({ width: box.clientWidth, height: CHART_HEIGHT }));
+      resize.observe(box);
+      entry = { shape, plot, resize };
       this.plots.set(figureId, entry);
     } else {
       entry.plot.setData(data);

@@ -129,3 +129,28 @@ def test_page_shows_the_api_numbers_and_follows_new_traffic(traffic, server, pag
     screenshot = tmp_path / "dashboard.png"
     page.screenshot(path=str(screenshot), full_page=True)
     assert screenshot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and screenshot.stat().st_size > 30_000
+
+
+COUNT_RESIZE_OBSERVERS = """
+window.liveObservers = 0;
+window.ResizeObserver = class extends window.ResizeObserver {
+  constructor(callback) { super(callback); window.liveObservers += 1; }
+  disconnect() { window.liveObservers -= 1; super.disconnect(); }
+};
+"""
+
+
+def test_a_rebuilt_chart_leaves_no_resize_observer_behind(traffic, server, page):
+    """A chart is rebuilt when its series change (a tier appears); until session 34 the destroyed
+    plot's ResizeObserver stayed connected, one more for every rebuild."""
+    page.add_init_script(COUNT_RESIZE_OBSERVERS)
+    page.goto(server.url)
+    page.wait_for_function("Number(document.body.dataset.updates) >= 1", timeout=10_000)
+    assert page.evaluate("liveObservers") == len(CHARTS)
+    replaced = page.evaluate("""() => {
+        const old = charts.plots.get('chart-curve').plot;
+        for (const shape of ['one', 'two', 'three']) charts.update('chart-curve', shape, curveOptions, old.data);
+        return charts.plots.get('chart-curve').plot !== old;
+    }""")
+    assert replaced, "the chart was not rebuilt"
+    assert page.evaluate("liveObservers") == len(CHARTS)
