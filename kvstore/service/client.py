@@ -35,9 +35,7 @@ serve many threads.
 
 from __future__ import annotations
 
-import logging
 import os
-import threading
 import time
 import uuid
 from typing import Iterator, Sequence
@@ -53,6 +51,7 @@ from kvstore.results import LoadResult, LookupResult, PutResult, StoreStats
 from kvstore.service import dataplane, wire
 from kvstore.service.chunk_codec import decode_chunk
 from kvstore.service.chunks import BlockAssembler, check_block_bytes, iter_chunks
+from kvstore.service.data_plane_link import DataPlaneLink
 from kvstore.service import security
 from kvstore.service.heap import keep_heap_for_transfers
 from kvstore.service.limits import ServiceLimits
@@ -62,8 +61,7 @@ from kvstore.service.v1 import kvstore_pb2 as pb
 from kvstore.service.v1.kvstore_pb2_grpc import KVStoreStub
 from kvstore.tiers.host import HostTier
 
-
-log = logging.getLogger(__name__)
+STAGING_WRITE_MARGIN = 0.1  # put_shm writes no slot in the last tenth of its reservation's TTL
 
 
 class KVStoreClient:
@@ -96,7 +94,7 @@ class KVStoreClient:
         self._limits = limits
         self._shared_memory = shared_memory
         streams = data_plane_streams or dataplane.default_streams()
-        self._data_plane = _DataPlaneLink(target, root_certificates, token, self.client_id, streams) \
+        self._data_plane = DataPlaneLink(target, root_certificates, token, self.client_id, streams) \
             if data_plane and dataplane.available() else None
         self._segments = SegmentMaps()
         self._staging = SegmentMaps(writable=True)
@@ -290,13 +288,17 @@ class KVStoreClient:
         """``put`` through the same-host staging segment; the same contract and result.
 
         Falls back to ``put`` when the sidecar has no staging area, has no room in it now, or its
-        segment cannot be mapped here (another host or container).
+        segment cannot be mapped here (another host or container; ``shared_memory=False``); and
+        when the reservation is about to lapse before a slot is written (its slots may go to
+        another client: a late write would spoil that one's commit), lapsed by the commit, or its
+        commit finds the slots changed (a late writer of a lapsed reservation spoiled them).
         """
         views = [byte_view(p) for p in payloads]
-        if self._staging_refused:
+        if self._staging_refused or not self._shared_memory:
             return self.put(ns_id, block_hashes, payloads, parent)
         request = pb.ReserveSlotsRequest(namespace_id=ns_id, block_hashes=block_hashes, parent=parent,
                                          block_bytes=_one_size(views, "payloads"), ttl_s=ttl_s)
+        reserved_at = time.monotonic()
         try:
             reservation = self._stub.ReserveSlots(request, timeout=self._timeout)
         except grpc.RpcError as exc:
@@ -305,16 +307,24 @@ class KVStoreClient:
             if exc.code() not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED):
                 raise
             return self.put(ns_id, block_hashes, payloads, parent)
+        write_by = reserved_at + reservation.ttl_s * (1 - STAGING_WRITE_MARGIN)
         checksums = []
         for view, slot in zip(views, reservation.slots):
             target = self._staging.slot(reservation.segment_path, slot.offset, slot.nbytes)
             if target is None:  # cannot map it here: the reservation lapses on its own
                 self._staging_refused = True
                 return self.put(ns_id, block_hashes, payloads, parent)
+            if time.monotonic() > write_by:  # too late to write: the slot may be another client's soon
+                return self.put(ns_id, block_hashes, payloads, parent)
             np.copyto(target, view)  # [block_bytes] uint8
             checksums.append(pb.LayerChecksums(layer_checksums=layer_checksums(view, reservation.num_layers)))
         commit = pb.CommitSlotsRequest(reservation_id=reservation.reservation_id, blocks=checksums)
-        return wire.put_result_from_proto(self._stub.CommitSlots(commit, timeout=self._timeout))
+        try:
+            return wire.put_result_from_proto(self._stub.CommitSlots(commit, timeout=self._timeout))
+        except grpc.RpcError as exc:  # lapsed, or its slots spoiled: nothing was stored
+            if exc.code() not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ABORTED):
+                raise
+            return self.put(ns_id, block_hashes, payloads, parent)
 
     def report_prefill(self, ns_id: bytes, saved_tokens: int, computed_tokens: int) -> None:
         """Tell the sidecar's metrics what a prefill saved (tokens loaded) and computed."""
@@ -354,100 +364,6 @@ class KVStoreClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-class _DataPlaneLink:
-    """The channel to the data plane of the sidecar behind ``target``, at the port its latest grant
-    names (a restarted sidecar binds a new one: the old port's channel is closed then), and a
-    pause of ``RETRY_AFTER_S`` in using a port once it could not be reached (a firewalled port, a
-    restarting sidecar): Get carries the blocks meanwhile."""
-
-    RETRY_AFTER_S = 30.0
-
-    def __init__(self, target: str, root_certificates: bytes | None, token: str | None, client_id: str,
-                 streams: int):
-        self._host = data_plane_host(target)
-        self._credentials = (root_certificates, token, client_id)
-        self._streams = streams
-        self._clients: dict[int, dataplane.DataPlaneClient] = {}
-        self._retry_at: dict[int, float] = {}  # port -> when to try it again
-        self._closed = False
-        self._lock = threading.Lock()
-
-    def read(self, grant: SlotGrant, views: list[np.ndarray], first_slot: int, timeout_s: float | None) -> bool:
-        """True when the slots arrived whole; False (logged) when the stream failed."""
-        client = self._client(grant.data_port)
-        if client is None:
-            return False
-        try:
-            client.read(grant.data_grant, views, first_slot, timeout_s=timeout_s)
-        except dataplane.DataPlaneError as exc:
-            if exc.code in (_UNAVAILABLE, _DEADLINE_EXCEEDED, dataplane.NOT_CONNECTED):
-                with self._lock:
-                    self._retry_at[grant.data_port] = time.monotonic() + self.RETRY_AFTER_S
-                    stale = self._clients.pop(grant.data_port, None) if exc.code == dataplane.NOT_CONNECTED else None
-                if stale is not None:  # the next try gets a fresh channel, not one still backing off its reconnects
-                    _close_in_background([stale])
-                log.warning("the sidecar's data plane at %s cannot be reached (%s): Get carries the blocks for "
-                            "the next %.0f s", client.target, exc, self.RETRY_AFTER_S)
-            else:
-                log.debug("reading slots from the data plane failed: %s", exc)
-            return False
-        return True
-
-    def _client(self, port: int) -> dataplane.DataPlaneClient | None:
-        """The client of ``port``, the data port of the latest grant; those of other ports (a
-        restarted sidecar's predecessor's) are closed. None while ``port`` is paused or after ``close``."""
-        with self._lock:
-            if self._closed:
-                return None
-            stale = [client for p, client in self._clients.items() if p != port]
-            self._clients = {p: client for p, client in self._clients.items() if p == port}
-            self._retry_at = {p: t for p, t in self._retry_at.items() if p == port}
-            client = None if time.monotonic() < self._retry_at.get(port, 0.0) else self._open(port)
-        _close_in_background(stale)
-        return client
-
-    def _open(self, port: int) -> dataplane.DataPlaneClient:
-        """The client of ``port``, opened on first use; caller holds ``_lock``."""
-        if port not in self._clients:
-            root_certificates, token, client_id = self._credentials
-            self._clients[port] = dataplane.DataPlaneClient(f"{self._host}:{port}", token=token,
-                                                            root_certificates=root_certificates,
-                                                            client_id=client_id, streams=self._streams)
-        return self._clients[port]
-
-    def close(self) -> None:
-        with self._lock:
-            clients, self._clients, self._closed = self._clients, {}, True
-        for client in clients.values():
-            client.close()
-
-
-_UNAVAILABLE, _DEADLINE_EXCEEDED = grpc.StatusCode.UNAVAILABLE.value[0], grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
-
-
-def _close_in_background(clients: list[dataplane.DataPlaneClient]) -> None:
-    """Close ``clients`` on a thread of their own: ``close`` waits for the reads still using them."""
-    if clients:
-        threading.Thread(target=_close_all, args=(clients,), name="kvstore-dataplane-close", daemon=True).start()
-
-
-def _close_all(clients: list[dataplane.DataPlaneClient]) -> None:
-    for client in clients:
-        client.close()
-
-
-def data_plane_host(target: str) -> str:
-    """The host part of a channel target, where the sidecar's data plane listens too (127.0.0.1
-    behind a unix socket): ``"10.0.0.5:50551"`` -> ``"10.0.0.5"``, ``"dns:///kv:50551"`` -> ``"kv"``."""
-    if target.startswith("unix:"):
-        return "127.0.0.1"
-    for scheme in ("dns:///", "dns:", "ipv4:", "ipv6:"):
-        if target.startswith(scheme):
-            target = target[len(scheme):]
-            break
-    return target.rsplit(":", 1)[0] if ":" in target else target
 
 
 def _ca_from_env() -> bytes | None:

@@ -36,7 +36,7 @@ from kvstore.service.dataplane import DataPlaneServer
 from kvstore.service.granted_slots import GrantedLoad, GrantedSlots
 from kvstore.service.limits import ClientLeases, LimitExceeded, ServiceLimits, StreamIdle, StreamPace
 from kvstore.service.metrics import ServiceMetrics
-from kvstore.service.staging import DEFAULT_RESERVATION_TTL_S, StagingArea
+from kvstore.service.staging import DEFAULT_RESERVATION_TTL_S, StagedBytesChanged, StagingArea
 from kvstore.service.transfer_threads import TransferThreads
 from kvstore.service.v1 import kvstore_pb2 as pb
 from kvstore.service.v1 import kvstore_pb2_grpc
@@ -49,6 +49,7 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVStore"].full_name  # "kvstore.v
 
 STATUS_CODES: dict[type, grpc.StatusCode] = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    StagedBytesChanged: grpc.StatusCode.ABORTED,  # a conflict over a slot: send the blocks again
     UnknownNamespace: grpc.StatusCode.NOT_FOUND,
     UnknownLease: grpc.StatusCode.NOT_FOUND,
     LimitExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
+import stat
 import threading
 from dataclasses import dataclass
 from typing import Sequence
@@ -31,6 +33,9 @@ import numpy as np
 
 from kvstore.store import TieredStore
 from kvstore.tiers.host import HostTier
+
+ARENA_NAME = re.compile(r"^kvstore-\d+-[0-9a-f]{8}$")  # kvstore.tiers.shm_segment.Segment's names
+STAGING_NAME = re.compile(r"^kvstore-staging-\d+-[0-9a-f]{8}$")
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,11 @@ class SegmentMaps:
     host, another container's /dev/shm, no permission) is remembered as unmappable, so the caller
     falls back to bytes once per path.
 
+    The path comes from the sidecar's answer, so it is not trusted: only a regular file (no
+    symbolic link) named as a segment of that kind is mapped (``kvstore-PID-RANDOM``, the
+    staging one ``kvstore-staging-PID-RANDOM``). Else a sidecar, or whoever answers in its place,
+    could name any file this process may read, or write (``/home/me/.bashrc``).
+
     A sidecar has one segment of each kind, named afresh by every sidecar process, so a new path
     means the sidecar restarted: the mappings of the old paths are dropped then (unmapped once no
     view of them is left), or a client would keep every dead sidecar's whole arena mapped. A
@@ -99,6 +109,7 @@ class SegmentMaps:
 
     def __init__(self, writable: bool = False):
         self._writable = writable
+        self._name = STAGING_NAME if writable else ARENA_NAME
         self._maps: dict[str, _Mapped | None] = {}
         self._lock = threading.Lock()
 
@@ -107,7 +118,7 @@ class SegmentMaps:
         with self._lock:
             if path not in self._maps:
                 stale = [self._maps.pop(old) for old in list(self._maps)]
-                self._maps[path] = _map(path, self._writable)
+                self._maps[path] = _map(path, self._writable) if self._name.match(os.path.basename(path)) else None
             else:
                 stale = []
             mapped = self._maps[path]
@@ -167,12 +178,15 @@ def _unmap(maps: list[_Mapped | None]) -> None:
 
 
 def _map(path: str, writable: bool) -> _Mapped | None:
+    """``path`` mapped whole, or None where it cannot be (or is a symbolic link, or no regular file)."""
     try:
-        fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+        fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return None
     try:
         status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode):  # a FIFO, a device: nothing a segment is
+            return None
         # a writable map is the staging segment (small): populate its page tables now, not per write
         flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if writable else 0)
         mapping = mmap.mmap(fd, 0, flags=flags, prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))

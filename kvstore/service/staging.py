@@ -36,7 +36,7 @@ import numpy as np
 
 from kvstore.buffers import aligned_empty
 from kvstore.checksum import layer_checksums
-from kvstore.errors import InvalidRequest, StoreClosed, UnknownLease
+from kvstore.errors import InvalidRequest, KVStoreError, StoreClosed, UnknownLease
 from kvstore.service.limits import LimitExceeded
 from kvstore.tiers.shm_segment import Segment, default_shm_dir
 from kvstore.tiers.slab import SlabAllocator, unused_capacity
@@ -73,6 +73,12 @@ def open_staging(capacity: int | str, shm_dir: str | None = None) -> StagingArea
 class StagingFull(LimitExceeded):
     """No room for a reservation now: the staging area is reserved up to ``staging_bytes``; or
     ever, for a block larger than its page (the client sends such blocks through Put)."""
+
+
+class StagedBytesChanged(KVStoreError):
+    """A commit's slots do not hold the bytes its checksums were taken of: written partly, changed
+    afterwards, or overwritten by a late writer of a lapsed reservation whose slots were reused.
+    Nothing was stored; the client sends the blocks again (``KVStoreClient.put_shm`` takes Put)."""
 
 
 @dataclass(frozen=True)
@@ -281,5 +287,5 @@ def _verify(reservation: Reservation, copies: list[np.ndarray], checksums: list[
             raise InvalidRequest(f"block {index}: {len(expected)} layer checksums, the namespace has "
                                  f"{reservation.num_layers} layers")
         if layer_checksums(copy, reservation.num_layers) != tuple(expected):
-            raise InvalidRequest(f"block {index}: the staged bytes do not match their checksums (written "
+            raise StagedBytesChanged(f"block {index}: the staged bytes do not match their checksums (written "
                                  "partly, or changed after the checksum was taken); nothing was stored")

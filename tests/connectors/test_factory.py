@@ -52,7 +52,7 @@ def test_an_engine_given_the_sidecars_environment_keeps_within_its_limits(lowere
 
 
 def test_a_limit_the_environment_gets_wrong_is_refused_naming_it():
-    with pytest.raises(InvalidRequest, match="^KVSTORE_MAX_TRANSFER_BLOCKS: cannot read 'two' as a size"):
+    with pytest.raises(InvalidRequest, match="^KVSTORE_MAX_TRANSFER_BLOCKS: cannot read 'two' as a count"):
         connector_from_config(NS, sidecar="127.0.0.1:1", environ={"KVSTORE_MAX_TRANSFER_BLOCKS": "two"})
 
 

@@ -172,7 +172,8 @@ class KVStoreServicer(object):
     def CommitSlots(self, request, context):
         """Step 2: the caller has written every reserved slot; the server copies each out of the
         staging segment, verifies it against the caller's per-layer checksums (a mismatch stores
-        nothing and answers INVALID_ARGUMENT), then puts the blocks like Put. Ends the reservation.
+        nothing and answers ABORTED: send the blocks again, with Put), then puts the blocks like Put.
+        Ends the reservation; one that lapsed answers NOT_FOUND.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

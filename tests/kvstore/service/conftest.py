@@ -18,6 +18,7 @@ from kvstore.service.client import KVStoreClient
 from kvstore.service.limits import ServiceLimits
 from kvstore.service.metrics import ServiceMetrics
 from kvstore.service.server import create_server
+from kvstore.service.staging import StagingArea
 from kvstore.service.v1.kvstore_pb2_grpc import KVStoreStub
 
 # Room for a few 3,076,352-byte V3.2 blocks; pages and segments hold one block each.
@@ -107,3 +108,28 @@ def tls_files(tmp_path_factory):
                     "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
                    check=True, capture_output=True)
     return str(cert), str(key)
+
+
+@pytest.fixture
+def staging(tmp_path):
+    """A small staging area (1 MiB of 64 KiB pages) for same-host puts."""
+    area = StagingArea(1 << 20, shm_dir=str(tmp_path), page_bytes=64 << 10)
+    yield area
+    area.close()
+
+
+@pytest.fixture
+def staged_server(store, start_server, staging):
+    return start_server(store, staging=staging)
+
+
+@pytest.fixture
+def staged_client(staged_server):
+    with KVStoreClient(staged_server.target, timeout_s=30) as c:
+        yield c
+
+
+@pytest.fixture
+def staged_stub(staged_server):
+    with grpc.insecure_channel(staged_server.target) as channel:
+        yield KVStoreStub(channel)

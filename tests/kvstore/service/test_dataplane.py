@@ -14,7 +14,7 @@ import pytest
 
 from kvstore.errors import InvalidRequest
 from kvstore.service import dataplane
-from kvstore.service.client import data_plane_host
+from kvstore.service.data_plane_link import data_plane_host
 from kvstore.service.dataplane import DataPlaneClient, DataPlaneError, DataPlaneServer
 from kvstore.service.v1 import kvstore_pb2 as pb
 from kvstore.service.v1.kvstore_pb2_grpc import BlockDataStub

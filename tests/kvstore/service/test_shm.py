@@ -223,7 +223,8 @@ def test_drop_unlinked_unmaps_files_removed_or_replaced_and_keeps_the_rest(tmp_p
     """A sidecar killed with SIGKILL hands out no new path; its successor's start unlinks the old
     arena, whose memory stays allocated while a client maps it (a small /dev/shm then has no
     room for the successor's)."""
-    kept, removed, replaced = (str(tmp_path / f"kvstore-{i}-0000aaaa") for i in (1, 2, 3))
+    kept, removed = (str(tmp_path / f"kvstore-{i}-0000aaaa") for i in (1, 2))
+    replaced = str(tmp_path / "kvstore-staging-3-0000aaaa")
     for path in (kept, removed, replaced):
         with open(path, "wb") as f:
             f.truncate(1 << 20)
@@ -242,6 +243,33 @@ def test_drop_unlinked_unmaps_files_removed_or_replaced_and_keeps_the_rest(tmp_p
     finally:
         for segment_maps in (maps, staging, other):
             segment_maps.close()
+
+
+def test_a_path_from_the_sidecar_is_mapped_only_as_a_segment_of_its_kind(tmp_path):
+    """The path comes in the sidecar's answer. Before session 34 a client mapped whatever it named,
+    the staging one read-write: a rogue or spoofed sidecar could write into any file the client's
+    user may write, or read any it may read into an engine's KV buffers."""
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"keep me" * 1000)
+    arena, staging_file = tmp_path / "kvstore-7-0000cccc", tmp_path / "kvstore-staging-7-0000cccc"
+    for path in (arena, staging_file):
+        path.write_bytes(bytes(8192))
+    linked = tmp_path / "kvstore-staging-8-0000dddd"
+    linked.symlink_to(victim)
+    fifo = tmp_path / "kvstore-staging-9-0000eeee"
+    os.mkfifo(fifo)
+    reader, writer = SegmentMaps(), SegmentMaps(writable=True)
+    try:
+        assert writer.slot(str(victim), 0, 4096) is None and reader.slot(str(victim), 0, 4096) is None
+        assert writer.slot(str(linked), 0, 4096) is None, "a symbolic link named as a segment"
+        assert writer.slot(str(fifo), 0, 4096) is None, "a FIFO named as a segment (and no hang opening it)"
+        assert writer.slot(str(arena), 0, 4096) is None, "the writable maps take staging segments only"
+        assert reader.slot(str(staging_file), 0, 4096) is None, "the read-only maps take arenas only"
+        assert reader.slot(str(arena), 0, 4096) is not None and writer.slot(str(staging_file), 0, 4096) is not None
+    finally:
+        reader.close()
+        writer.close()
+    assert victim.read_bytes() == b"keep me" * 1000
 
 
 def _mapped_files() -> str:

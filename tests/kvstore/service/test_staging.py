@@ -29,30 +29,6 @@ from tests.kvstore.service.test_service import rpc_error
 Code = grpc.StatusCode
 
 
-@pytest.fixture
-def staging(tmp_path):
-    area = StagingArea(1 << 20, shm_dir=str(tmp_path), page_bytes=64 << 10)
-    yield area
-    area.close()
-
-
-@pytest.fixture
-def staged_server(store, start_server, staging):
-    return start_server(store, staging=staging)
-
-
-@pytest.fixture
-def staged_client(staged_server):
-    with KVStoreClient(staged_server.target, timeout_s=30) as c:
-        yield c
-
-
-@pytest.fixture
-def staged_stub(staged_server):
-    with grpc.insecure_channel(staged_server.target) as channel:
-        yield KVStoreStub(channel)
-
-
 def write_slots(response: pb.ReserveSlotsResponse, payloads) -> list[pb.LayerChecksums]:
     """What a client does between reserve and commit: write each payload into its slot."""
     fd = os.open(response.segment_path, os.O_RDWR)
@@ -92,7 +68,7 @@ def test_commit_of_bytes_that_fail_their_checksums_stores_nothing(staged_stub, n
 
     with pytest.raises(grpc.RpcError) as info:
         stub.CommitSlots(pb.CommitSlotsRequest(reservation_id=reserved.reservation_id, blocks=checksums))
-    assert info.value.code() == Code.INVALID_ARGUMENT
+    assert info.value.code() == Code.ABORTED, "a conflict over the slots: the client sends the blocks again"
     assert "block 1: the staged bytes do not match their checksums" in info.value.details()
     lookup = stub.Lookup(pb.LookupRequest(namespace_id=ns_id, block_hashes=chain[:2]))
     assert list(lookup.tiers) == [], "no block of a refused commit is visible"
