@@ -33,6 +33,17 @@ def check_load_timeout(seconds: float | None) -> float | None:
     return seconds
 
 
+def check_call_timeout(name: str, seconds: float | None, none_ok: bool = False) -> float | None:
+    """A bound on one call as the connectors take it: positive seconds up to ``threading.TIMEOUT_MAX``
+    (beyond, a wait overflows: every call would raise, or time out at once), or None where ``none_ok``."""
+    if seconds is None and none_ok:
+        return None
+    if seconds is None or not 0 < seconds <= threading.TIMEOUT_MAX:
+        raise ValueError(f"{name} must be positive seconds up to {threading.TIMEOUT_MAX:.0f}"
+                         f"{', or None (no bound)' if none_ok else ''}, not {seconds!r}")
+    return seconds
+
+
 def check_lease_ttl(seconds: float) -> float:
     """A lease TTL as the store grants it: positive seconds up to its ``MAX_LEASE_TTL_S``. (Any
     other is refused by the store at every lookup: a connector would wedge or only ever miss.)"""
@@ -56,6 +67,14 @@ def load_targets(hit, block_hashes: Sequence[bytes], pages: Sequence[int]) -> tu
     if len(pages) < hit.blocks or len(block_hashes) < hit.blocks:
         raise ValueError(f"{hit.blocks} blocks to load but {len(pages)} pages and {len(block_hashes)} hashes")
     return list(block_hashes[: hit.blocks]), list(pages[: hit.blocks])
+
+
+def save_targets(block_hashes: Sequence[bytes], pages: Sequence[int]) -> list[int]:
+    """The pages of a save's ``block_hashes``, one each; refuses too few (the save would fail later,
+    on the writer's thread, and store nothing)."""
+    if len(pages) < len(block_hashes):
+        raise ValueError(f"{len(block_hashes)} blocks to save but {len(pages)} pages")
+    return list(pages[: len(block_hashes)])
 
 
 def host_pages(pool: PageBytes, layer: int, pages: Sequence[int]) -> Iterator[np.ndarray]:

@@ -13,6 +13,7 @@ and the connector closes it on ``close``.
 from __future__ import annotations
 
 import os
+import threading
 from typing import Mapping
 
 from connectors._pages import DEFAULT_LOAD_TIMEOUT_S
@@ -44,8 +45,9 @@ def load_timeout_from(environ: Mapping[str, str] | None = None) -> float | None:
         seconds = float(value)
     except ValueError:
         seconds = -1.0
-    if not seconds > 0:
-        raise InvalidRequest(f"{LOAD_TIMEOUT_ENV}={value!r}: give positive seconds (30, 2.5) or 'off' for no deadline")
+    if not 0 < seconds <= threading.TIMEOUT_MAX:
+        raise InvalidRequest(f"{LOAD_TIMEOUT_ENV}={value!r}: give positive seconds (30, 2.5) up to "
+                             f"{threading.TIMEOUT_MAX:.0f}, or 'off' for no deadline")
     return seconds
 
 
@@ -68,7 +70,12 @@ def connector_from_config(namespace: Namespace, *, sidecar: str | None = None, s
         return StoreConnector(store, namespace, **options)
     from kvstore.config import StoreConfig
 
-    return OwningStoreConnector(StoreConfig.from_env(environ).open_store(), namespace, **options)
+    store = StoreConfig.from_env(environ).open_store()
+    try:
+        return OwningStoreConnector(store, namespace, **options)
+    except BaseException:  # options the connector refuses: the store it would have owned is ours to close
+        store.close()
+        raise
 
 
 class OwningStoreConnector(StoreConnector):

@@ -50,7 +50,8 @@ import numpy as np
 
 from connectors._copy_out import copy_out
 from connectors._pages import (DEFAULT_LOAD_TIMEOUT_S, DEFAULT_LOOKUP_TIMEOUT_S, BackgroundLoad, PageFence,
-                              check_lease_ttl, check_load_timeout, load_targets, queued_engine_work, scatter_layer)
+                              check_call_timeout, check_lease_ttl, check_load_timeout, load_targets,
+                              queued_engine_work, save_targets, scatter_layer)
 from connectors._save_writer import DEFAULT_MAX_PENDING_SAVE_BYTES, SaveDropped, SaveWriter
 from connectors.base import ConnectorHit, KVConnector, LoadFailed, LoadHandle, PageBytes
 from connectors.lower_tiers import LowerTiers
@@ -84,8 +85,8 @@ class SidecarConnector(KVConnector):
         sidecar beyond ``max_pending_save_bytes`` are dropped (``SaveWriter``). ``lease_ttl_s``: how
         long a lookup or a load pins its blocks, in (0, ``kvstore.store.MAX_LEASE_TTL_S``]; anything
         else raises ``ValueError`` (the sidecar would refuse every lookup)."""
-        if not lookup_timeout_s > 0:
-            raise ValueError(f"lookup_timeout_s must be positive seconds, not {lookup_timeout_s!r}")
+        check_call_timeout("lookup_timeout_s", lookup_timeout_s)
+        check_call_timeout("timeout_s", timeout_s, none_ok=True)
         check_lease_ttl(lease_ttl_s)
         self.lookup_timeout_s = lookup_timeout_s
         self.load_timeout_s = check_load_timeout(load_timeout_s)
@@ -138,8 +139,8 @@ class SidecarConnector(KVConnector):
     def start_load(self, hit: ConnectorHit, block_hashes: Sequence[bytes], pages: Sequence[int],
                    pool: PageBytes) -> LoadHandle:
         hashes, pages = load_targets(hit, block_hashes, pages)
-        lease_id = self._leases.take(hit.request_id)
         engine_work = queued_engine_work(pool, pages)  # on the engine's thread: its stream's work so far
+        lease_id = self._leases.take(hit.request_id)
         reading_below = threading.Event()  # set while the load reads blocks below memory
         abandoned = threading.Event()  # the engine gave up on the load
 
@@ -173,8 +174,12 @@ class SidecarConnector(KVConnector):
             if reading_below.is_set() and not cancelled:  # stuck below memory past the deadline
                 self._lower_tiers.hung()
 
-        return BackgroundLoad(hit.request_id, len(hashes), self.spec.num_layers, fetch_and_copy, finish, logger=log,
-                              deadline_s=self.load_timeout_s, on_abandon=given_up, before=engine_work)
+        try:
+            return BackgroundLoad(hit.request_id, len(hashes), self.spec.num_layers, fetch_and_copy, finish,
+                                  logger=log, deadline_s=self.load_timeout_s, on_abandon=given_up, before=engine_work)
+        except BaseException:  # no load thread: nothing else would end the lease taken from the request
+            finish()
+            raise
 
     def _stream_into(self, pool: PageBytes, pages: list[int], grant, fence: PageFence) -> int:
         """The grant's slots through the sidecar's data plane, ``max_transfer_blocks`` at a time;
@@ -254,7 +259,7 @@ class SidecarConnector(KVConnector):
              parent: bytes | None) -> None:
         if not block_hashes or self.read_only:
             return
-        pages = pages[: len(block_hashes)]
+        pages = save_targets(block_hashes, pages)
         self._saves.save(block_hashes, len(pages) * self.spec.block_bytes, lambda: copy_out(self.spec, pool, pages),
                          parent)
 

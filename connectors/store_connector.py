@@ -29,8 +29,9 @@ import numpy as np
 
 from connectors.backoff import Backoff
 from connectors._copy_out import copy_out
-from connectors._pages import (DEFAULT_LOAD_TIMEOUT_S, DEFAULT_LOOKUP_TIMEOUT_S, BackgroundLoad, check_lease_ttl,
-                              check_load_timeout, load_targets, queued_engine_work, scatter_layer)
+from connectors._pages import (DEFAULT_LOAD_TIMEOUT_S, DEFAULT_LOOKUP_TIMEOUT_S, BackgroundLoad, check_call_timeout,
+                              check_lease_ttl, check_load_timeout, load_targets, queued_engine_work, save_targets,
+                              scatter_layer)
 from connectors._save_writer import DEFAULT_MAX_PENDING_SAVE_BYTES, SaveWriter
 from connectors.base import ConnectorHit, KVConnector, LoadFailed, LoadHandle, PageBytes
 from connectors.lower_tiers import LowerTiers
@@ -59,8 +60,7 @@ class StoreConnector(KVConnector):
         hands it to a thread of its own. ``max_pending_save_bytes``: saves waiting for the store
         beyond this are dropped (``SaveWriter``). ``lease_ttl_s``: how long a lookup pins its hit
         for the load, in (0, ``kvstore.store.MAX_LEASE_TTL_S``]; anything else raises ``ValueError``."""
-        if not lookup_timeout_s > 0:
-            raise ValueError(f"lookup_timeout_s must be positive seconds, not {lookup_timeout_s!r}")
+        check_call_timeout("lookup_timeout_s", lookup_timeout_s)
         check_lease_ttl(lease_ttl_s)
         self.store = store
         self.load_timeout_s = check_load_timeout(load_timeout_s)
@@ -116,9 +116,8 @@ class StoreConnector(KVConnector):
     def start_load(self, hit: ConnectorHit, block_hashes: Sequence[bytes], pages: Sequence[int],
                    pool: PageBytes) -> LoadHandle:
         hashes, pages = load_targets(hit, block_hashes, pages)
-        lease_id = self._leases.take(hit.request_id)
-
         engine_work = queued_engine_work(pool, pages)  # on the engine's thread: its stream's work so far
+        lease_id = self._leases.take(hit.request_id)
         reading_below = threading.Event()  # set while the load reads blocks below memory
         abandoned = threading.Event()  # the engine gave up on the load
 
@@ -127,7 +126,9 @@ class StoreConnector(KVConnector):
             # a layer at a time. The rest (disk) are read whole into the load's own buffers first:
             # one large verified read per block instead of a small, latency-bound read per layer.
             views = self.store.leased_views(self.ns_id, hashes, lease_id) if lease_id is not None else []
-            sources = [view for _, view in views] + self._read_below(hashes[len(views):], reading_below, abandoned)
+            below = self._lower_tiers.below_memory(hit.tiers[len(views) : len(hashes)])  # else no verdict on them
+            sources = [view for _, view in views] + self._read_below(hashes[len(views):],
+                                                                    reading_below if below else None, abandoned)
             for layer in range(self.spec.num_layers):
                 with fence:  # memory copies only: a read that hangs never holds the fence
                     scatter_layer(self.spec, pool, layer, pages, sources)
@@ -143,17 +144,23 @@ class StoreConnector(KVConnector):
                 self._lower_tiers.hung()  # (a cancel there gives no verdict: a probe lapses)
             self._end_lease(lease_id)  # the fence is closed: nothing reads the views now
 
-        return BackgroundLoad(hit.request_id, len(hashes), self.spec.num_layers, copy_layer_major,
-                              lambda: self._end_lease(lease_id), logger=log,
-                              deadline_s=self.load_timeout_s, on_abandon=given_up, before=engine_work)
+        try:
+            return BackgroundLoad(hit.request_id, len(hashes), self.spec.num_layers, copy_layer_major,
+                                  lambda: self._end_lease(lease_id), logger=log,
+                                  deadline_s=self.load_timeout_s, on_abandon=given_up, before=engine_work)
+        except BaseException:  # no load thread: nothing else would end the lease taken from the request
+            self._end_lease(lease_id)
+            raise
 
-    def _read_below(self, hashes: list[bytes], reading: threading.Event,
+    def _read_below(self, hashes: list[bytes], reading: threading.Event | None,
                     abandoned: threading.Event) -> list[np.ndarray]:
-        """``hashes``' payloads read whole, with ``reading`` set meanwhile. An answer in time (a
-        corrupt block too) tells the lower tiers' back-off they answer; one that comes after the
-        load was given up on (``abandoned``) tells it nothing: they answer, but too late."""
-        if not hashes:
-            return []
+        """``hashes``' payloads read whole, with ``reading`` set meanwhile where given (the lookup
+        saw some of them below memory). An answer in time (a corrupt block too) then tells the
+        lower tiers' back-off they answer; one that comes after the load was given up on
+        (``abandoned``) tells it nothing: they answer, but too late. Reads of blocks the lookup
+        saw in memory (their lease ended first) tell it nothing either."""
+        if reading is None or not hashes:
+            return [self._read_whole(h) for h in hashes]
         reading.set()
         try:
             return [self._read_whole(h) for h in hashes]
@@ -173,7 +180,7 @@ class StoreConnector(KVConnector):
              parent: bytes | None) -> None:
         if not block_hashes or self.read_only:
             return
-        pages = pages[: len(block_hashes)]
+        pages = save_targets(block_hashes, pages)
         self._saves.save(block_hashes, len(pages) * self.spec.block_bytes, lambda: copy_out(self.spec, pool, pages),
                          parent)
 

@@ -219,6 +219,8 @@ def test_a_load_stuck_in_the_store_is_given_up_at_its_deadline_and_never_writes_
         assert connector.lookup("c", hashes).blocks == 0, "right after a disk read hung, hits stop at memory"
     unstick.set()
     assert until(lambda: store.stats().leases_active == 0), "the lease ends once the lock is free"
+    handle._thread.join(10)  # the load has done all it will: a page it wrote late would show now
+    assert not handle._thread.is_alive()
     assert all(bool((layer == 0xAB).all()) for layer in target.layers), "a late load overwrote recomputed pages"
     fresh = StoreConnector(store, NS)  # this connector skips the disk for its back-off window; the store serves
     again = fresh.lookup("d", hashes)
