@@ -18,7 +18,7 @@ The connector, when there is one, is consulted only for the blocks after the dev
     first forward done  ->  handle.wait() == c: register the loaded pages   (finish_load)
     LoadFailed          ->  forget blocks [d, d + c), recompute them       (abort_load)
     blocks computed     ->  save(new blocks)                              (commit)
-    finish / preempt    ->  flush() (saves copied out before pages can be reused), release
+    finish / preempt    ->  wait_copied() (saves copied out before pages can be reused), release
 
 This module knows pages, hashes and the connector API; nothing about the model or scheduling.
 """
@@ -45,13 +45,21 @@ class PendingLoad(NamedTuple):
     blocks: int
 
 
-def check_connector_layout(layout: BlockSpec, pool: PagePool, namespace: Namespace) -> None:
-    """Raise ``ValueError`` unless a connector moving blocks of ``layout`` fills ``pool``'s pages
-    exactly: the same layers, tokens per block and components (so bytes per layer)."""
+def check_pool_layout(pool: PagePool, namespace: Namespace) -> None:
+    """Raise ``ValueError`` unless ``pool``'s pages hold the blocks of the model's ``namespace``: its
+    layers, tokens per block and bytes per layer (so its components: a V3.2 model's indexer keys)."""
     ours = BlockSpec.of(namespace)
+    if namespace.block_size != pool.page_size:
+        raise ValueError(f"namespace block_size {namespace.block_size} != pool page_size {pool.page_size}")
     if (ours.num_layers, ours.layer_bytes) != (pool.num_layers, pool.layer_bytes):
         raise ValueError(f"the page pool holds {pool.num_layers} layers of {pool.layer_bytes} bytes a page, the "
                          f"model's namespace {_describe(ours)}: build the pool from the model's own config")
+
+
+def check_connector_layout(layout: BlockSpec, namespace: Namespace) -> None:
+    """Raise ``ValueError`` unless a connector moving blocks of ``layout`` fills the pages of the
+    model's ``namespace`` exactly (``check_pool_layout`` checked the pool against it)."""
+    ours = BlockSpec.of(namespace)
     if layout != ours:
         raise ValueError(f"the connector moves blocks of {_describe(layout)}; this engine's page pool holds "
                          f"{_describe(ours)}: build the connector over the engine's namespace, "
@@ -76,10 +84,9 @@ def _describe(spec: BlockSpec) -> str:
 class BlockManager:
     def __init__(self, pool: PagePool, namespace: Namespace, dtype: torch.dtype,
                  connector: KVConnector | None = None) -> None:
-        if namespace.block_size != pool.page_size:
-            raise ValueError(f"namespace block_size {namespace.block_size} != pool page_size {pool.page_size}")
+        check_pool_layout(pool, namespace)
         if connector is not None:
-            check_connector_layout(connector.layout, pool, namespace)
+            check_connector_layout(connector.layout, namespace)
             warn_of_another_namespace(connector.namespace_id, namespace)
         self.pool, self.namespace, self.dtype, self.connector = pool, namespace, dtype, connector
         self.block_size = pool.page_size
@@ -112,8 +119,8 @@ class BlockManager:
         seq.block_table = device  # held from here: _drop_admission releases what the table lists
         seq.block_table = device + self.pool.allocate(needed)
         seq.committed_blocks = len(device)
-        seq.stats.device_hit_tokens = len(device) * self.block_size
-        seq.stats.connector_hit_tokens = 0
+        if not seq.stats.preemptions:  # the prompt's hit; a readmission's may hold generated tokens
+            seq.stats.device_hit_tokens = len(device) * self.block_size
         loaded = 0 if hit is None else hit.blocks
         seq.cache = PagedSequenceCache(self.pool, seq.block_table, (len(device) + loaded) * self.block_size,
                                        self.dtype)
@@ -142,7 +149,8 @@ class BlockManager:
         end = load.first_block + load.blocks
         self._register(seq, load.first_block, end)
         seq.committed_blocks = end
-        seq.stats.connector_hit_tokens = load.blocks * self.block_size
+        if not seq.stats.preemptions:  # as device_hit_tokens: the prompt's first admission only
+            seq.stats.connector_hit_tokens = load.blocks * self.block_size
 
     def abort_load(self, seq: Sequence) -> None:
         """The load failed: forget the loaded blocks (their pages stay the sequence's, to be recomputed)."""

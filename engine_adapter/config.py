@@ -38,6 +38,15 @@ class YarnScaling:
     attention_factor: float | None = None  # None: derived from factor / mscale / mscale_all_dim
     truncate: bool = True
 
+    def __post_init__(self) -> None:
+        _check_positive_number("rope_scaling.factor", self.factor)
+        _check_int("rope_scaling.original_max_position_embeddings", self.original_max_position_embeddings, minimum=1)
+        for name in ("beta_fast", "beta_slow"):
+            _check_positive_number(f"rope_scaling.{name}", getattr(self, name))
+        for name in ("mscale", "mscale_all_dim", "attention_factor"):
+            if getattr(self, name) is not None:
+                _check_positive_number(f"rope_scaling.{name}", getattr(self, name), zero_ok=name != "attention_factor")
+
     @classmethod
     def from_hf(cls, params: dict[str, Any], max_position_embeddings: int) -> YarnScaling:
         """HF rope dict (``rope_parameters`` or legacy ``rope_scaling``) -> YarnScaling."""
@@ -185,27 +194,44 @@ def _reject_unsupported(hf: dict[str, Any]) -> None:
         raise ModelConfigError("rope_interleave=False is not supported: DeepSeek MLA rope is interleaved")
 
 
+_POSITIVE_INTS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+                  "num_attention_heads", "n_routed_experts", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
+                  "v_head_dim", "n_group", "topk_group", "num_experts_per_tok", "max_position_embeddings")
+_POSITIVE_FLOATS = ("routed_scaling_factor", "rms_norm_eps", "rope_theta")
+
+
 def _validate(c: ModelConfig) -> None:
-    positive = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
-                "num_hidden_layers", "num_attention_heads", "n_routed_experts", "kv_lora_rank",
-                "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "n_group", "topk_group",
-                "num_experts_per_tok", "max_position_embeddings")
-    for name in positive:
-        if not isinstance(getattr(c, name), int) or getattr(c, name) <= 0:
-            raise ModelConfigError(f"{name} must be a positive int, got {getattr(c, name)!r}")
-    if c.q_lora_rank is not None and c.q_lora_rank <= 0:
-        raise ModelConfigError(f"q_lora_rank must be a positive int or None, got {c.q_lora_rank!r}")
+    for name in _POSITIVE_INTS:
+        _check_int(name, getattr(c, name), minimum=1)
+    for name in ("q_lora_rank", *_V32_FIELDS):
+        if getattr(c, name) is not None:
+            _check_int(name, getattr(c, name), minimum=1, alternative=" or None")
+    _check_int("n_shared_experts", c.n_shared_experts, minimum=0)
+    _check_int("first_k_dense_replace", c.first_k_dense_replace, minimum=0)
+    for name in _POSITIVE_FLOATS:
+        _check_positive_number(name, getattr(c, name))
     if c.qk_rope_head_dim % 2:
         raise ModelConfigError(f"qk_rope_head_dim must be even, got {c.qk_rope_head_dim}")
-    if not 0 <= c.first_k_dense_replace <= c.num_hidden_layers:
+    if c.first_k_dense_replace > c.num_hidden_layers:
         raise ModelConfigError(f"first_k_dense_replace must be in [0, {c.num_hidden_layers}], "
                                f"got {c.first_k_dense_replace}")
-    if c.n_shared_experts < 0:
-        raise ModelConfigError(f"n_shared_experts must be >= 0, got {c.n_shared_experts}")
-    if not math.isfinite(c.rope_theta) or c.rope_theta <= 0:
-        raise ModelConfigError(f"rope_theta must be positive, got {c.rope_theta}")
     _validate_router(c)
     _validate_indexer(c)
+
+
+def _check_int(name: str, value: object, minimum: int, alternative: str = "") -> None:
+    """``ModelConfigError`` unless ``value`` is an int (not a bool) of at least ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        kind = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+        raise ModelConfigError(f"{name} must be {kind}{alternative}, got {value!r}")
+
+
+def _check_positive_number(name: str, value: object, zero_ok: bool = False) -> None:
+    """``ModelConfigError`` unless ``value`` is a finite number (not a bool) above 0 (or 0, where ``zero_ok``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or \
+            not (value >= 0 if zero_ok else value > 0):
+        kind = "a finite number >= 0" if zero_ok else "a finite positive number"
+        raise ModelConfigError(f"{name} must be {kind}, got {value!r}")
 
 
 def _validate_router(c: ModelConfig) -> None:
@@ -231,9 +257,6 @@ def _validate_indexer(c: ModelConfig) -> None:
         return
     if c.q_lora_rank is None:
         raise ModelConfigError("V3.2 needs q_lora_rank: the indexer's queries read the q_a latent")
-    for name in _V32_FIELDS:
-        if getattr(c, name) <= 0:
-            raise ModelConfigError(f"{name} must be positive, got {getattr(c, name)}")
     if c.index_head_dim < c.qk_rope_head_dim:
         raise ModelConfigError(f"index_head_dim ({c.index_head_dim}) must be >= qk_rope_head_dim "
                                f"({c.qk_rope_head_dim}): its first qk_rope_head_dim dims carry RoPE")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
+from typing import NamedTuple
 
 import torch
 
@@ -37,6 +38,15 @@ from engine_adapter.scheduler import Scheduler, Work
 from engine_adapter.sequence import Request, RequestOutput, Sequence
 
 log = logging.getLogger(__name__)
+
+
+class Forwarded(NamedTuple):
+    """Positions [start, start + count) of ``seq`` went through the model; ``last_logits`` [vocab]."""
+
+    seq: Sequence
+    start: int
+    count: int
+    last_logits: torch.Tensor
 
 
 class Engine:
@@ -56,6 +66,7 @@ class Engine:
         if connector is not None and pool.on_evict is None:  # evicted device pages go down a tier
             pool.on_evict = lambda block_hash, page, parent: connector.demote(block_hash, page, pool, parent)
         self.scheduler = Scheduler(self.blocks, chunk_size, max_running)
+        self._unclaimed: list[RequestOutput] = []  # finished during a run() that did not add them
 
     def add_request(self, request: Request | Seq[int]) -> str:
         """Queue a request (or bare prompt ids, greedy with defaults); returns its request id.
@@ -66,24 +77,33 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """One engine iteration; returns the requests that finished in it, or that it ended early
-        (``RequestOutput.error``: a model call that raised ends only the requests it ran)."""
+        (``RequestOutput.error``: a model call that raised ends only the requests it ran), and
+        those of ``add_request`` that finished during a ``run`` (which returns only its own)."""
         work = self.scheduler.schedule()
         sampled, failed = self._forward(work)
         for seq, error in failed:  # before anything else can raise: a failed sequence must not run on
             self.scheduler.fail(seq, error)
-        return self.scheduler.postprocess(work, sampled)
+        finished, self._unclaimed = self._unclaimed + self.scheduler.postprocess(work, sampled), []
+        return finished
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        """Requests waiting or running, or finished ones the next ``step`` has yet to return."""
+        return self.scheduler.has_unfinished or bool(self._unclaimed)
 
     def run(self, requests: Iterable[Request | Seq[int]]) -> list[RequestOutput]:
-        """Add the requests (all or, raising like ``add_request``, none), step until all finish;
-        outputs in request order."""
+        """Add the requests (all or, raising like ``add_request``, none), step until they finish;
+        their outputs in request order. Requests queued before with ``add_request`` run alongside;
+        those that finish meanwhile come out of the next ``step`` (until session 34 they were lost)."""
         ids = self._add(requests)
         done: dict[str, RequestOutput] = {}
-        while self.has_unfinished:
-            done.update((out.request_id, out) for out in self.step())
+        while len(done) < len(ids):
+            assert self.scheduler.has_unfinished, "a request of this run is neither finished nor queued: engine bug"
+            for out in self.step():
+                if out.request_id in ids and out.request_id not in done:
+                    done[out.request_id] = out
+                else:
+                    self._unclaimed.append(out)
         return [done[i] for i in ids]
 
     def generate(self, prompts: Iterable[Seq[int]], max_new_tokens: int = 16, temperature: float = 0.0,
@@ -136,7 +156,8 @@ class Engine:
         raised, with the error: the exception is logged and ends only the sequences of that call.
         Whatever a call raises (KeyboardInterrupt too, which goes on up), its sequences' caches are
         cut back to where they were before it: a forward stopped midway has written some layers and
-        not others, and the next forward would append each layer at a different position."""
+        not others, and the next forward would append each layer at a different position. What
+        follows a call (commit, sampling) runs per sequence: its failure ends that sequence only."""
         sampled: list[int | None] = [None] * len(work)
         failed: list[tuple[Sequence, str]] = []
         decode = [i for i, item in enumerate(work) if item.is_decode]
@@ -144,7 +165,7 @@ class Engine:
         for indices in ([decode] if decode else []) + others:
             before = [(work[i].seq, work[i].seq.num_cached_tokens) for i in indices]
             try:
-                tokens = self._model_call([work[i] for i in indices])
+                results = self._model_call([work[i] for i in indices])
             except BaseException as exc:
                 for seq, length in before:
                     if seq.cache is not None:
@@ -155,29 +176,35 @@ class Engine:
                 log.exception("the model call for %s raised; the engine ends it and goes on", ids)
                 failed += [(work[i].seq, f"{type(exc).__name__}: {exc}") for i in indices]
                 continue
-            for i, token in zip(indices, tokens):
-                sampled[i] = token
+            for i, result in zip(indices, results):
+                if result is None:  # its load failed: the next step recomputes
+                    continue
+                try:
+                    sampled[i] = self._computed(*result)
+                except Exception as exc:
+                    log.exception("finishing the forward of %s raised; the engine ends it", work[i].seq.request_id)
+                    failed.append((work[i].seq, f"{type(exc).__name__}: {exc}"))
         return sampled, failed
 
-    def _model_call(self, items: list[Work]) -> list[int | None]:
-        """One model call: a batch of decodes, or one other item; the tokens sampled, in order."""
+    def _model_call(self, items: list[Work]) -> list[Forwarded | None]:
+        """One model call: a batch of decodes, or one other item; what each forwarded, in order."""
         if items[0].is_decode:
             return self._decode([item.seq for item in items])
         [item] = items
         return [self._run(item)]
 
-    def _decode(self, seqs: list[Sequence]) -> list[int | None]:
-        """Forward the next token of every sequence in ONE batched call; the sampled tokens."""
+    def _decode(self, seqs: list[Sequence]) -> list[Forwarded]:
+        """Forward the next token of every sequence in ONE batched call."""
         if not seqs:
             return []
         starts = [seq.num_cached_tokens for seq in seqs]
         token_ids = torch.tensor([seq.token_ids[start] for seq, start in zip(seqs, starts)], device=self.pool.device)
         positions = torch.tensor(starts, device=self.pool.device)
         logits = self.model.forward_decode(token_ids, positions, [seq.cache for seq in seqs])  # [B, vocab]
-        return [self._computed(seq, start, 1, row) for seq, start, row in zip(seqs, starts, logits)]
+        return [Forwarded(seq, start, 1, row) for seq, start, row in zip(seqs, starts, logits)]
 
-    def _run(self, item: Work) -> int | None:
-        """Forward ``item``'s tokens; the sampled next token if the sequence reached its end, else None."""
+    def _run(self, item: Work) -> Forwarded | None:
+        """Forward ``item``'s tokens; None where its connector load failed (nothing computed)."""
         seq, count = item
         start = seq.num_cached_tokens
         token_ids = torch.tensor(seq.token_ids[start : start + count], device=self.pool.device)
@@ -189,7 +216,7 @@ class Engine:
         except LoadFailed:
             self.blocks.abort_load(seq)  # the next step recomputes from the device hit
             return None
-        return self._computed(seq, start, count, logits[-1])
+        return Forwarded(seq, start, count, logits[-1])
 
     def _computed(self, seq: Sequence, start: int, count: int, last_logits: torch.Tensor) -> int | None:
         """Positions [start, start + count) are cached: count, commit, and sample if at the end."""

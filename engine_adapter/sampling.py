@@ -13,5 +13,8 @@ def sample(logits: torch.Tensor, temperature: float, generator: torch.Generator)
     """logits [vocab] -> a token id."""
     if temperature == 0:
         return int(logits.argmax())
-    probs = (logits.float().cpu() / temperature).softmax(dim=-1)  # [vocab]
+    logits = logits.float().cpu()
+    # Shifted so the largest is 0 before dividing: at a tiny temperature the rest go to -inf and the
+    # choice to the argmax, where dividing first overflowed to inf and softmax gave NaN.
+    probs = ((logits - logits.max()) / temperature).softmax(dim=-1)  # [vocab]
     return int(torch.multinomial(probs, 1, generator=generator))

@@ -127,7 +127,7 @@ class Scheduler:
         self._ended.append(seq.output(error))
 
     def _check_fits(self, seq: Sequence) -> None:
-        longest = seq.num_prompt_tokens + seq.request.max_new_tokens
+        longest = seq.num_prompt_tokens + seq.request.max_new_tokens - 1  # the last token sampled is never cached
         if self.blocks.pages_for(longest) > self.blocks.pool.num_pages:
             raise ValueError(f"{seq.request_id} may reach {longest} tokens = {self.blocks.pages_for(longest)} "
                              f"pages; the pool has {self.blocks.pool.num_pages}")

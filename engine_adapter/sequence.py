@@ -10,7 +10,10 @@ This module knows tokens and counters; nothing about the model, pages' contents 
 from __future__ import annotations
 
 import itertools
+import math
+import numbers
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -36,21 +39,44 @@ class Request:
     request_id: str = ""  # "" gets a unique one
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "prompt_ids", _token_ids("prompt_ids", self.prompt_ids))
+        object.__setattr__(self, "stop_token_ids", _token_ids("stop_token_ids", self.stop_token_ids))
         if not self.prompt_ids:
             raise ValueError("prompt_ids must hold at least one token")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, numbers.Real) or \
+                not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 is greedy), got {self.temperature!r}")
+        if not _is_int(self.seed) or not 0 <= self.seed < 2**64:
+            raise ValueError(f"seed must be an int in [0, 2**64), got {self.seed!r}")
+        if not isinstance(self.request_id, str):
+            raise ValueError(f"request_id must be a string, got {self.request_id!r}")
         if not self.request_id:
             object.__setattr__(self, "request_id", f"req-{next(_ids)}")
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _token_ids(name: str, ids: object) -> tuple[int, ...]:
+    """``ids`` as a tuple of ints; ``ValueError`` naming ``name`` for anything else (a float id
+    would be truncated to another token, a bare int is no sequence)."""
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+        raise ValueError(f"{name} must be a sequence of token ids, got {ids!r}")
+    ids = tuple(ids)
+    for token in ids:
+        if not _is_int(token):
+            raise ValueError(f"{name} must hold int token ids, got {token!r}")
+    return tuple(int(t) for t in ids)
+
+
 @dataclass
 class RequestStats:
-    """Where a request's prompt tokens came from, and when its first token came out."""
+    """Where a request's prompt tokens came from, and when its first token came out. The hits are
+    those of its first admission; a preempted request's recomputation counts in
+    ``computed_prompt_tokens`` only, so reused and computed add up to the prompt without preemptions."""
 
     prompt_tokens: int
     device_hit_tokens: int = 0  # reused from cached pages of the device pool

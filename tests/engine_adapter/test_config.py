@@ -97,3 +97,23 @@ def test_invalid_v32_configs():
 def test_missing_fields_are_listed():
     with pytest.raises(ModelConfigError, match="lacks required fields: kv_lora_rank"):
         ModelConfig.from_hf({k: v for k, v in DEEPSEEK_V3.items() if k != "kv_lora_rank"})
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"q_lora_rank": "32"}, r"q_lora_rank must be a positive int or None, got '32'"),  # a bare TypeError before
+    ({"n_shared_experts": None}, r"n_shared_experts must be an int >= 0, got None"),
+    ({"routed_scaling_factor": None}, r"routed_scaling_factor must be a finite positive number, got None"),  # taken
+    ({"routed_scaling_factor": float("nan")}, "routed_scaling_factor must be a finite positive number"),
+    ({"rms_norm_eps": 0}, "rms_norm_eps must be a finite positive number"),
+    ({"num_hidden_layers": True}, "num_hidden_layers must be a positive int, got True"),
+    ({"index_topk": 16.5}, r"index_topk must be a positive int or None, got 16.5"),  # taken before
+    ({"rope_scaling": dict(DEEPSEEK_V3["rope_scaling"], original_max_position_embeddings=0)},
+     "rope_scaling.original_max_position_embeddings must be a positive int"),  # a math domain error in the forward
+    ({"rope_scaling": dict(DEEPSEEK_V3["rope_scaling"], factor=-2)}, "rope_scaling.factor must be a finite positive"),
+    ({"rope_scaling": dict(DEEPSEEK_V3["rope_scaling"], mscale=-1.0)}, "rope_scaling.mscale must be a finite number >= 0"),
+])
+def test_every_field_of_the_wrong_kind_is_refused_naming_it(change, message):
+    """Until session 34 these raised a bare TypeError, or were taken and failed in the forward."""
+    with pytest.raises(ModelConfigError, match=message):
+        ModelConfig.from_hf(dict(DEEPSEEK_V32, **change))
+    assert ModelConfig.from_hf(dict(DEEPSEEK_V32, rope_scaling=dict(DEEPSEEK_V3["rope_scaling"], mscale=0.0)))
