@@ -31,6 +31,10 @@ def test_lease_limit_is_per_client_and_frees_on_release(store, start_server, nam
         assert "max_leases_per_client=2" in info.value.details()
         with pytest.raises(grpc.RpcError):
             greedy.get_slots(ns_id, chain[:2], lease_ttl_s=30)  # the fast path counts too
+        dsts = [np.zeros(spec.block_bytes, np.uint8) for _ in range(2)]
+        loaded = greedy.load_shm(ns_id, chain[:2], dsts)  # raised RESOURCE_EXHAUSTED until session 34
+        assert loaded.complete and loaded.tiers == ("host", "host"), "Get, which takes no lease, served it"
+        assert all(np.array_equal(d, p) for d, p in zip(dsts, payloads_for(spec, chain[:2])))
 
         assert other.lookup(ns_id, chain[:2], lease_ttl_s=30).lease_id is not None, "another client is unaffected"
         assert greedy.lookup(ns_id, chain[:2]).hit_blocks == 2, "lookups without a lease are never limited"

@@ -183,6 +183,29 @@ def test_wrong_buffer_size_is_invalid_and_releases_the_lease(client, namespace, 
     assert client.stats().leases_active == 0
 
 
+def test_a_release_that_fails_after_the_copy_failed_leaves_the_copys_error_to_raise(client, namespace, spec, chain,
+                                                                                   monkeypatch):
+    """Until session 34 a Release failing in load_shm's clean-up (the sidecar gone) raised instead
+    of the error that made the load fail."""
+    ns_id = client.register_namespace(namespace)
+    client.put(ns_id, chain[:2], payloads_for(spec, chain[:2]))
+
+    class Gone(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.UNAVAILABLE
+
+    def copy_fails(*args):
+        raise MemoryError("the copy failed")
+
+    def release_fails(*args, **kwargs):
+        raise Gone()
+
+    monkeypatch.setattr(client, "_copy_slots", copy_fails)
+    monkeypatch.setattr(client._stub, "Release", release_fails)
+    with pytest.raises(MemoryError, match="the copy failed"):
+        client.load_shm(ns_id, chain[:2], [np.zeros(spec.block_bytes, np.uint8) for _ in range(2)])
+
+
 def test_verify_never_reports_a_block_that_still_fails_its_checksums_after_get(client, namespace, spec, chain):
     ns_id = client.register_namespace(namespace)
     payloads = payloads_for(spec, chain[:4])
