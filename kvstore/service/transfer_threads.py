@@ -16,7 +16,10 @@ RESOURCE_EXHAUSTED (not queued), and the control calls go on.
     threads.shutdown(timeout_s)                      # at exit, before the store and staging close
 
 A call cancelled with its stream still runs to its end: ``shutdown`` waits for those, so they do
-not copy out of a staging area or into a store that has closed under them.
+not copy out of a staging area or into a store that has closed under them. Its threads are daemon
+threads: one still hung after ``shutdown`` does not keep the process from exiting (a
+``ThreadPoolExecutor``'s threads are joined at exit, so a sidecar stopped with a call hung on its
+disk never exited, until session 34).
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import queue
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from typing import Callable, Iterator
 
 from kvstore.errors import StoreClosed
@@ -65,12 +69,50 @@ class TransferStream:
             self._release()
 
 
+class DaemonThreadPool:
+    """Up to ``workers`` daemon threads running submitted calls in order, started as calls need
+    them; what ``ThreadPoolExecutor`` does, but not joined at interpreter exit."""
+
+    def __init__(self, workers: int, name: str):
+        self._workers, self._name = workers, name
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle = threading.Semaphore(0)  # one token per thread waiting for a call
+        self._started = 0
+        self._lock = threading.Lock()
+
+    def submit(self, fn, *args) -> Future:
+        future: Future = Future()
+        self._queue.put((future, fn, args))
+        if not self._idle.acquire(blocking=False):
+            with self._lock:
+                if self._started < self._workers:
+                    self._started += 1
+                    threading.Thread(target=self._work, name=f"{self._name}_{self._started}", daemon=True).start()
+        return future
+
+    def shutdown(self) -> None:
+        """Idle threads end; a running call's thread ends once its call returns."""
+        with self._lock:
+            for _ in range(self._started):
+                self._queue.put(None)
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            future, fn, args = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as exc:  # the caller's future carries it
+                    future.set_exception(exc)
+            self._idle.release()
+
+
 class TransferThreads:
     """``TransferSlots`` with one thread per slot for the streams' store calls."""
 
     def __init__(self, slots: TransferSlots):
         self.slots = slots
-        self._executor = ThreadPoolExecutor(max_workers=slots.limit, thread_name_prefix="kvstore-transfer")
+        self._executor = DaemonThreadPool(slots.limit, "kvstore-transfer")
         self._calls: set[Future] = set()  # submitted, not yet returned
         self._shut = False
         self._lock = threading.Lock()  # calls return on their own threads
@@ -97,7 +139,7 @@ class TransferThreads:
         with self._lock:
             self._shut = True
             calls = list(self._calls)
-        self._executor.shutdown(wait=False)
+        self._executor.shutdown()
         running = wait(calls, timeout_s).not_done
         if running:
             log.warning("%d Get/Put/CommitSlots store calls still run %.1f s into the shutdown (a hung disk?); "

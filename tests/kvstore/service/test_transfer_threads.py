@@ -8,6 +8,9 @@ A real server over a real host + disk store; the disk's reads are made to hang."
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 
 import grpc
@@ -16,10 +19,11 @@ import pytest
 
 from kvstore.service.client import KVStoreClient
 from kvstore.service.limits import ServiceLimits, TransferSlots
-from kvstore.service.transfer_threads import TransferThreads
+from kvstore.service.transfer_threads import DaemonThreadPool, TransferThreads
 from kvstore.errors import KVStoreError
 from tests.conftest import payloads_for
 from tests.connectors.test_store_connector import stall_reads
+from tests.kvstore.service.test_serve_process import REPO
 from tests.kvstore.store_helpers import until
 
 SLOTS = 3
@@ -116,3 +120,53 @@ def test_shutdown_waits_for_the_store_calls_of_ended_gets_then_refuses_new_ones(
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in refused.value.details()
     finally:
         unstick.set()
+
+
+HUNG_AT_EXIT = """
+import asyncio, threading
+from kvstore.service.limits import ServiceLimits
+from kvstore.service.transfer_threads import DaemonThreadPool, TransferThreads
+
+threads = TransferThreads.of(ServiceLimits())
+hung = threading.Event()  # never set: a read of a disk that never answers
+
+async def main():
+    with threads.stream("c") as stream:
+        stream.run(hung.wait)
+        done = await stream.run(sum, [1, 2])  # another call runs beside it, on a thread of its own
+        print("other call", done, flush=True)
+
+asyncio.run(main())
+print("shut down:", threads.shutdown(0.2), flush=True)
+"""
+
+
+def test_a_call_still_hung_after_shutdown_does_not_keep_the_process_from_exiting():
+    """Until session 34 the threads were a ThreadPoolExecutor's, which Python joins at exit: a
+    sidecar stopped with a Get hung on its disk never exited."""
+    done = subprocess.run([sys.executable, "-c", HUNG_AT_EXIT], capture_output=True, text=True, timeout=60,
+                          cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
+    assert done.returncode == 0, done.stderr
+    assert "other call 3" in done.stdout and "shut down: False" in done.stdout
+    assert "still run 0.2 s into the shutdown" in done.stderr
+
+
+def test_the_pool_runs_calls_in_order_on_at_most_its_threads_and_carries_their_errors():
+    pool = DaemonThreadPool(2, "test-pool")
+    gate, names = threading.Event(), set()
+
+    def held():
+        names.add(threading.current_thread().name)
+        gate.wait(10)
+        return "held"
+
+    first, second = pool.submit(held), pool.submit(held)
+    third = pool.submit(lambda: 1 / 0)  # waits for a thread: only two
+    assert not third.done()
+    gate.set()
+    assert (first.result(10), second.result(10)) == ("held", "held") and len(names) == 2
+    with pytest.raises(ZeroDivisionError):
+        third.result(10)
+    assert all(t.daemon for t in threading.enumerate() if t.name.startswith("test-pool"))
+    pool.shutdown()
+    assert until(lambda: not any(t.name.startswith("test-pool") for t in threading.enumerate()))
