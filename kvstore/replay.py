@@ -178,7 +178,11 @@ def tier_slots(capacity_tokens: int, tiers: TierSplit, block_tokens: int) -> dic
             raise InvalidRequest(f"the {name} tier's share of {capacity_tokens} tokens is below one "
                                  f"{block_tokens}-token block; raise the capacity or its share")
     slots = {name: share // 1 for name, share in shares.items()}
-    slots[tiers.shares[-1][0]] += blocks - sum(slots.values())
+    last = tiers.shares[-1][0]
+    slots[last] += blocks - sum(slots.values())
+    if slots[last] < 1:  # shares summing a hair above 1 (within TierSplit's tolerance) took its blocks
+        raise InvalidRequest(f"tier shares {dict(tiers.shares)} add up to more than 1: the {last} tier would get "
+                             f"{slots[last]} of {blocks} blocks at {capacity_tokens} tokens; make them sum to 1")
     return slots
 
 

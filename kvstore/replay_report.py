@@ -163,7 +163,7 @@ def check_plot_path(path: str) -> None:
     is writable, and its name ends in a format matplotlib knows); writes nothing."""
     if not path:
         raise InvalidRequest("--plot needs a file name, such as curve.png")
-    directory = os.path.dirname(os.path.abspath(path))
+    directory = os.path.dirname(os.path.realpath(path))  # a link's target is what gets written
     if os.path.isdir(path):
         raise InvalidRequest(f"cannot plot to {path!r}: it is a directory; give a file such as curve.png")
     if not os.path.isdir(directory):

@@ -18,7 +18,7 @@ is not counted (the host tier packs blocks into pages and can hold up to about 6
 from __future__ import annotations
 
 import re
-from decimal import Decimal
+from fractions import Fraction
 from typing import Sequence
 
 from kvstore.errors import InvalidRequest
@@ -34,7 +34,7 @@ MODELS: dict[str, tuple[int, tuple[str, ...]]] = {  # name -> (layers, cached co
 _TOKEN_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}
 _BYTE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_QUANTITY = re.compile(r"\s*(\d+(?:\.\d+)?(?:e\+?\d+)?)\s*([a-z]*)\s*")  # exact in Decimal: 4.1M is 4,100,000
+_QUANTITY = re.compile(r"\s*(\d+(?:\.\d+)?(?:e\+?\d+)?)\s*([a-z]*)\s*")  # read exactly: 4.1M is 4,100,000
 
 
 def bytes_per_token(model: str) -> int:
@@ -55,16 +55,17 @@ def parse_capacity(text: str, model: str | None = None) -> int:
         raise InvalidRequest(f"a capacity must be at least one token, got {text!r}")
     match = _QUANTITY.fullmatch(text.lower())
     unit = match[2] if match else None
-    # An exponent past 1000 is no capacity, and one past Decimal's range (1e999999999) overflows it
+    # An exponent past 1000 is no capacity, and 1e999999999 would be a number of a billion digits
     if match and "e" in match[1] and int(match[1].partition("e")[2]) > 1000:
         raise InvalidRequest(f"{text!r} is more tokens than any cache holds; check the number")
     if unit in _TOKEN_UNITS:
-        count = Decimal(match[1]) * _TOKEN_UNITS[unit]
+        count = Fraction(match[1]) * _TOKEN_UNITS[unit]
     elif unit in _BYTE_UNITS:
         if model is None:
             raise InvalidRequest(f"{text!r} is a size in bytes: give --model (one of {', '.join(MODELS)}) to turn "
                                  "it into tokens, or give tokens (e.g. 3M)")
-        count = Decimal(match[1]) * _BYTE_UNITS[unit] // bytes_per_token(model)
+        # exact: in Decimal's 28 digits 1e30GiB could not be divided (a traceback until session 34)
+        count = Fraction(match[1]) * _BYTE_UNITS[unit] // bytes_per_token(model)
     else:
         raise InvalidRequest(f"cannot read {text!r} as a capacity; examples: 3M or 500k tokens, "
                              "or 128GiB with --model")

@@ -318,11 +318,17 @@ def test_cli_sweep_honours_no_optimal(capsys, tmp_path):
     (("--capacity-tokens=1e999999999",), "'1e999999999' is more tokens than any cache holds"),  # decimal.Overflow
     (("--sweep", "--capacities", "1e999999999GiB", "--model", "deepseek-v3"), "more tokens than any cache holds"),
     (("--sweep", "--policy", "lru"), "--policy is for one replay; with --sweep give --policies"),  # was ignored
+    (("--capacity-tokens", "1e30GiB", "--model", "deepseek-v3"), "tokens is above 10**18"),  # Decimal's traceback
+    (("--capacity-tokens", "100000000000000000000000TiB", "--model", "kimi-k2"), "tokens is above 10**18"),
+    (("--capacity-tokens", "600M", "--tiers", "host=1,disk=0.0000009"),  # the disk got 0 blocks, refused late
+     "tier shares {'host': 1.0, 'disk': 9e-07} add up to more than 1: the disk tier would get 0 of"),
+    (("--sweep", "--plot", "dangling.png"), "cannot plot to dangling.png: the directory"),  # failed after the sweep
 ])
 def test_cli_refuses_bad_input_in_one_line_exit_2(capsys, tmp_path, monkeypatch, args, message):
     """Each was a traceback, a late refusal or a misleading one before. The trace has a non-UTF-8
     byte on line 2: refusals about flags come before it is read."""
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "dangling.png").symlink_to(tmp_path / "missing" / "x.png")
     path = tmp_path / "t.jsonl"
     path.write_bytes(b'{"input_length": 5, "hash_ids": [9]}\n{"input_length": 5, "hash_ids": [9], "x": "\xe9"}\n')
     code, out, err = _main(capsys, "replay", str(path), *args)
