@@ -25,7 +25,7 @@ from kvstore.errors import InvalidRequest
 from kvstore.tiers.base import KEY_BYTES
 from kvstore.tiers.disk_files import (
     BLOCK_KEY_PREFIX, FORMAT_KEY, FORMAT_VERSION, TAIL_KEY, TAIL_VALUE, CorruptIndex, SegmentFile, StoredIndex,
-    newest_records, open_index, read_index, segment_name, set_aside,
+    _index_error, newest_records, open_index, read_index, segment_name, set_aside,
 )
 from kvstore.tiers.segment import HEADER_BYTES, MAGIC, PAGE, RecordHeader, footprint, punch_hole
 
@@ -48,7 +48,7 @@ class DiskRecovery:
         if stored.stamp is None:  # a new index, or one lost or set aside: the segments are the truth
             if on_disk:
                 self._rebuild_index(on_disk)
-            self._db.put(FORMAT_KEY, FORMAT_VERSION)
+            self._write_index(lambda: self._db.put(FORMAT_KEY, FORMAT_VERSION))
             stored = read_index(self._db, self._index_dir)
         self._load_index(stored, on_disk)
         self._reclaim_uncovered()
@@ -90,7 +90,7 @@ class DiskRecovery:
         if self._counters["recovered_lost_blocks"]:
             log.warning("disk tier %s: %d index entries pointed at missing or truncated segments; dropped",
                         self.path, self._counters["recovered_lost_blocks"])
-            self._db.write(lost)
+            self._write_index(lambda: self._db.write(lost))
         for segment_id in on_disk:
             if segment_id > tail_segment:  # created, but nothing in it was ever committed
                 os.unlink(os.path.join(self._segments_dir, segment_name(segment_id)))
@@ -132,7 +132,20 @@ class DiskRecovery:
         for key, entry in best.items():
             batch.put(BLOCK_KEY_PREFIX + key, entry.encode())
         batch.put(TAIL_KEY, TAIL_VALUE.pack(*tail))
-        self._db.write(batch)
+        self._write_index(lambda: self._db.write(batch))
+
+    def _write_index(self, write) -> None:
+        """``write()`` to the index while recovering. A failure whose cause RocksDB names outside the
+        index (no space left, say) raises ``OSError`` saying so and what to do; until session 34 it
+        was rocksdict's plain ``Exception``, a traceback. The index stays unstamped: the next open
+        rebuilds it again."""
+        try:
+            write()
+        except Exception as exc:
+            error = _index_error(self._index_dir, "written", exc)
+            if isinstance(error, OSError):
+                raise error from exc
+            raise
 
     def _reclaim_uncovered(self) -> None:
         """Free every byte range of every segment that no live record covers (``_free_uncovered``);

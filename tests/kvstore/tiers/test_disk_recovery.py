@@ -69,6 +69,36 @@ def test_an_index_read_failing_for_a_cause_outside_it_fails_the_open_and_leaves_
     assert tier.stats().extra["index_rebuilds"] == 0 and all(reads_exact(tier, i) for i in range(5))
 
 
+def test_an_index_rebuild_its_file_system_cannot_take_fails_the_open_saying_so(open_tier, tmp_path, monkeypatch):
+    """Until session 34 a full disk during the rebuild's write was rocksdict's plain Exception: a
+    traceback from `kvstore serve` and `kvstore fsck --repair`. The segments stay; a later open
+    with room rebuilds again."""
+    tier = open_tier()
+    for i in range(5):
+        assert put(tier, i)
+    tier.close()
+    shutil.rmtree(tmp_path / "disk" / "index")
+    real_open_index = disk.open_index
+
+    class FullDisk:
+        def __init__(self, db):
+            self._db = db
+
+        def write(self, batch):
+            raise Exception("IO error: No space left on device: While appending to file: 000004.log")
+
+        def __getattr__(self, name):
+            return getattr(self._db, name)
+
+    monkeypatch.setattr(disk, "open_index", lambda index_dir: FullDisk(real_open_index(index_dir)))
+    with pytest.raises(OSError, match="could not be written.*No space left.*Free space on its file system") as caught:
+        disk.DiskTier(str(tmp_path / "disk"), 64 << 20)
+    assert caught.value.errno == errno.ENOSPC
+    monkeypatch.undo()
+    tier = open_tier()
+    assert tier.stats().extra["index_rebuilds"] == 1 and all(reads_exact(tier, i) for i in range(5))
+
+
 # ---- bytes no live record covers -------------------------------------------------------------
 
 def removed_before_its_record_was_freed(open_tier, monkeypatch) -> None:
