@@ -19,6 +19,25 @@ from tests.kvstore.tiers.disk_helpers import (
 )
 
 
+def failing_index(monkeypatch, method: str, message: str) -> None:
+    """Indexes the disk tier opens from now on raise rocksdict's plain ``Exception(message)`` from
+    ``method``, as RocksDB reports a failing file system; the rest works."""
+    real_open_index = disk.open_index
+
+    class Failing:
+        def __init__(self, db):
+            self._db = db
+
+        def __getattr__(self, name):
+            if name == method:
+                def fail(*args):
+                    raise Exception(message)
+                return fail
+            return getattr(self._db, name)
+
+    monkeypatch.setattr(disk, "open_index", lambda index_dir: Failing(real_open_index(index_dir)))
+
+
 # ---- a corrupt index: rebuilt before anything acts on it --------------------------------------
 
 @pytest.mark.parametrize("where", ["entries", "metadata"])
@@ -47,19 +66,7 @@ def test_an_index_read_failing_for_a_cause_outside_it_fails_the_open_and_leaves_
     for i in range(5):
         assert put(tier, i)
     tier.close()
-    real_open_index = disk.open_index
-
-    class FailingReads:
-        def __init__(self, db):
-            self._db = db
-
-        def get(self, key):
-            raise Exception("IO error: While pread offset 0 len 4096: 000009.sst: Input/output error")
-
-        def __getattr__(self, name):
-            return getattr(self._db, name)
-
-    monkeypatch.setattr(disk, "open_index", lambda index_dir: FailingReads(real_open_index(index_dir)))
+    failing_index(monkeypatch, "get", "IO error: While pread offset 0 len 4096: 000009.sst: Input/output error")
     with pytest.raises(OSError, match="could not be read.*Input/output error") as caught:
         disk.DiskTier(str(tmp_path / "disk"), 64 << 20)
     assert caught.value.errno == errno.EIO
@@ -78,19 +85,7 @@ def test_an_index_rebuild_its_file_system_cannot_take_fails_the_open_saying_so(o
         assert put(tier, i)
     tier.close()
     shutil.rmtree(tmp_path / "disk" / "index")
-    real_open_index = disk.open_index
-
-    class FullDisk:
-        def __init__(self, db):
-            self._db = db
-
-        def write(self, batch):
-            raise Exception("IO error: No space left on device: While appending to file: 000004.log")
-
-        def __getattr__(self, name):
-            return getattr(self._db, name)
-
-    monkeypatch.setattr(disk, "open_index", lambda index_dir: FullDisk(real_open_index(index_dir)))
+    failing_index(monkeypatch, "write", "IO error: No space left on device: While appending to file: 000004.log")
     with pytest.raises(OSError, match="could not be written.*No space left.*Free space on its file system") as caught:
         disk.DiskTier(str(tmp_path / "disk"), 64 << 20)
     assert caught.value.errno == errno.ENOSPC
