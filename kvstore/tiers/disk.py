@@ -59,7 +59,8 @@ from kvstore.tiers.base import KEY_BYTES, BlockMeta, Tier, TierStats
 from kvstore.tiers.direct_io import pwritev_all, read_record_direct, write_record_direct
 from kvstore.tiers.disk_files import (
     BLOCK_KEY_PREFIX, NEXT_SEQ_KEY, NEXT_SEQ_VALUE, TAIL_KEY, TAIL_VALUE, DirectoryLock, IndexEntry, SegmentFile,
-    disk_capacity_problem, fsync_directory, open_index, segment_name, supports_direct, truncate_quietly, warn_if_oversized,
+    disk_capacity_problem, fsync_directory, open_index, segment_name, supports_direct, truncate_quietly,
+    warn_if_oversized,
 )
 from kvstore.tiers.disk_reclaim import DiskReclaim
 from kvstore.tiers.disk_recovery import DiskRecovery

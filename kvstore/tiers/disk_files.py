@@ -183,7 +183,8 @@ MIN_DISK_CAPACITY = HEADER_BYTES * 2
 def disk_capacity_problem(capacity_bytes: int) -> str | None:
     """Why a disk tier cannot have ``capacity_bytes``, or None."""
     if capacity_bytes < MIN_DISK_CAPACITY:
-        return f"disk tier capacity must be at least {MIN_DISK_CAPACITY} bytes (0 disables the tier), got {capacity_bytes}"
+        return (f"disk tier capacity must be at least {MIN_DISK_CAPACITY} bytes (0 disables the tier), "
+                f"got {capacity_bytes}")
     return None
 
 

@@ -137,8 +137,8 @@ class DiskRecovery:
     def _write_index(self, write) -> None:
         """``write()`` to the index while recovering. A failure whose cause RocksDB names outside the
         index (no space left, say) raises ``OSError`` saying so and what to do; until session 34 it
-        was rocksdict's plain ``Exception``, a traceback. The index stays unstamped: the next open
-        rebuilds it again."""
+        was rocksdict's plain ``Exception``, a traceback. What the write would have done is left
+        undone, and the next open does it again (an index not yet stamped is rebuilt again)."""
         try:
             write()
         except Exception as exc:

@@ -110,7 +110,8 @@ def test_missing_fields_are_listed():
     ({"rope_scaling": dict(DEEPSEEK_V3["rope_scaling"], original_max_position_embeddings=0)},
      "rope_scaling.original_max_position_embeddings must be a positive int"),  # a math domain error in the forward
     ({"rope_scaling": dict(DEEPSEEK_V3["rope_scaling"], factor=-2)}, "rope_scaling.factor must be a finite positive"),
-    ({"rope_scaling": dict(DEEPSEEK_V3["rope_scaling"], mscale=-1.0)}, "rope_scaling.mscale must be a finite number >= 0"),
+    ({"rope_scaling": dict(DEEPSEEK_V3["rope_scaling"], mscale=-1.0)},
+     "rope_scaling.mscale must be a finite number >= 0"),
 ])
 def test_every_field_of_the_wrong_kind_is_refused_naming_it(change, message):
     """Until session 34 these raised a bare TypeError, or were taken and failed in the forward."""

@@ -75,16 +75,26 @@ def server(store, start_server) -> ServerThread:
     return start_server(store)
 
 
-@pytest.fixture
-def client(server):
+def connected_client(server: ServerThread):
+    """A fixture's body: a ``KVStoreClient`` of ``server``, closed after the test."""
     with KVStoreClient(server.target, timeout_s=30) as c:
         yield c
 
 
-@pytest.fixture
-def stub(server):
+def connected_stub(server: ServerThread):
+    """A fixture's body: the raw stub over a channel to ``server``, closed after the test."""
     with grpc.insecure_channel(server.target) as channel:
         yield KVStoreStub(channel)
+
+
+@pytest.fixture
+def client(server):
+    yield from connected_client(server)
+
+
+@pytest.fixture
+def stub(server):
+    yield from connected_stub(server)
 
 
 SEGMENT_BYTES = 8 << 20
@@ -125,11 +135,9 @@ def staged_server(store, start_server, staging):
 
 @pytest.fixture
 def staged_client(staged_server):
-    with KVStoreClient(staged_server.target, timeout_s=30) as c:
-        yield c
+    yield from connected_client(staged_server)
 
 
 @pytest.fixture
 def staged_stub(staged_server):
-    with grpc.insecure_channel(staged_server.target) as channel:
-        yield KVStoreStub(channel)
+    yield from connected_stub(staged_server)

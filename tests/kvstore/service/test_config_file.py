@@ -172,7 +172,7 @@ def test_a_capacity_the_tier_would_refuse_is_refused_naming_the_file_key(tmp_pat
 
 
 def test_a_flag_capacity_past_the_machine_memory_is_refused_naming_the_flag():
-    with pytest.raises(InvalidRequest, match="^--host-capacity: host tier capacity .* is more than this machine's memory"):
+    with pytest.raises(InvalidRequest, match="^--host-capacity: host tier capacity .* more than this machine's memory"):
         store_config(serve_args("--host-capacity", "1000TiB"), {})
 
 
