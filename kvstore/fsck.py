@@ -12,6 +12,8 @@ what the segments hold. Findings:
                        there is not a corrupt one)
     index_unreadable   the index could not be read in full: it does not open, or a block of it fails
                        its checksum (repair rebuilds it from the segments)
+    header_key_missing segments, but no DIR/header.key to authenticate their record headers with:
+                       nothing in them can be served (the next open, or repair, starts the tier empty)
 
 A tier is clean when there are no bad entries, corrupt records or missing segments and the index
 reads: orphans and uncommitted bytes are what a crash legitimately leaves, and the next open
@@ -36,7 +38,9 @@ import numpy as np
 from rocksdict import AccessType, Options, Rdict
 
 from kvstore.errors import InvalidRequest
-from kvstore.tiers.disk_files import DirectoryLock, IndexEntry, read_index, room_for_tier
+from kvstore.tiers.disk_files import (
+    HEADER_KEY_FILE, DirectoryLock, IndexEntry, read_header_key, read_index, room_for_tier,
+)
 from kvstore.tiers.segment import scan_segment
 
 ProgressFactory = Callable[[str, int], Callable[[int], None]]
@@ -56,11 +60,13 @@ class FsckReport:
     payload_bytes: int = 0
     repaired_entries: int = 0
     index_unreadable: bool = False
+    header_key_missing: bool = False
     problems: list[str] = field(default_factory=list)
 
     @property
     def clean(self) -> bool:
-        return not (self.bad_entries or self.corrupt_records or self.missing_segments or self.index_unreadable)
+        return not (self.bad_entries or self.corrupt_records or self.missing_segments or self.index_unreadable
+                    or self.header_key_missing)
 
     def as_dict(self) -> dict:
         return {**asdict(self), "clean": self.clean}
@@ -145,12 +151,20 @@ def _check(path: str, report: FsckReport, progress: ProgressFactory | None) -> N
     report.indexed_blocks = len(entries)
     segment_ids = sorted(int(n[:-4]) for n in os.listdir(segments_dir) if n.endswith(".seg") and n[:-4].isdigit())
     report.segments = len(segment_ids)
+    header_key = read_header_key(path)
+    if header_key is None:
+        report.header_key_missing = bool(segment_ids)
+        if segment_ids:
+            report.problems.append(f"{HEADER_KEY_FILE} is missing: no record header of the {len(segment_ids)} "
+                                   "segments can be authenticated, so none of their blocks can be served (the "
+                                   "next open, or --repair, reclaims them and starts the tier empty)")
+        return
     total = sum(os.path.getsize(os.path.join(segments_dir, f"{i:08d}.seg")) for i in segment_ids)
     advance = progress("verifying segments", total) if progress else None
     found: dict[tuple[int, int], bytes] = {}
     for segment_id in segment_ids:
         seg_path = os.path.join(segments_dir, f"{segment_id:08d}.seg")
-        for record in scan_segment(seg_path, verify=True, progress=advance):
+        for record in scan_segment(seg_path, header_key, verify=True, progress=advance):
             if record.valid:
                 found[(segment_id, record.offset)] = record.header.key
                 report.payload_bytes += record.header.nbytes

@@ -1,12 +1,14 @@
 """The disk tier's files: an index entry's format, one open segment file, the lock that says which
 process owns a tier directory, opening the index, and the file-system helpers the tier uses on them
-(segment names, O_DIRECT probing, directory fsync, truncation).
+(segment names, O_DIRECT probing, directory fsync, truncation), and the header key file
+(``kvstore.tiers.header_key`` says why it exists).
 
 Mechanism only: which record goes where, and when, is ``kvstore.tiers.disk``'s business.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
@@ -22,9 +24,10 @@ from typing import Callable
 import numpy as np
 from rocksdict import Options, Rdict
 
-from kvstore.errors import NotPermitted
+from kvstore.errors import InvalidRequest, NotPermitted
 from kvstore.sizing import format_bytes
 from kvstore.tiers.direct_io import open_direct, read_direct
+from kvstore.tiers.header_key import SECRET_BYTES, HeaderKey
 from kvstore.tiers.segment import HEADER_BYTES, RecordHeader, footprint, scan_segment
 
 log = logging.getLogger(__name__)
@@ -40,7 +43,8 @@ TAIL_VALUE = struct.Struct("<IQ")  # segment id, offset
 NEXT_SEQ_KEY = b"m/next-seq"
 NEXT_SEQ_VALUE = struct.Struct("<Q")
 FORMAT_KEY = b"m/format"
-FORMAT_VERSION = b"kvstore-disk-1"
+FORMAT_VERSION = b"kvstore-disk-2"  # 2: header tags keyed with DIR/header.key (``header_key``)
+HEADER_KEY_FILE = "header.key"
 
 
 @dataclass(slots=True)
@@ -104,10 +108,10 @@ class SegmentFile:
             return read_direct(self.fd, offset, length)
         return os.pread(self.fd, length, offset)
 
-    def read_header(self, offset: int) -> RecordHeader | None:
-        """The record header at ``offset``; None where the file ends before a whole header page."""
-        page = self.read(offset, HEADER_BYTES)
-        return RecordHeader.decode(page) if len(page) == HEADER_BYTES else None
+    def read_header(self, offset: int, header_key: HeaderKey) -> RecordHeader | None:
+        """The record header at ``offset`` that ``header_key`` authenticates; None where there is
+        none (the file ends before a whole header page, the page is not a header of this tier)."""
+        return RecordHeader.decode(self.read(offset, HEADER_BYTES), header_key)
 
     def __del__(self) -> None:
         fd, self.fd = getattr(self, "fd", None), None
@@ -157,6 +161,50 @@ class DirectoryLock:
 
     def __del__(self) -> None:
         self.release()
+
+
+def read_header_key(directory: str) -> HeaderKey | None:
+    """The key of the tier in ``directory``; None where it has none. A key file of the wrong size
+    raises ``InvalidRequest`` (it was written whole and synced: a damaged or foreign file)."""
+    path = os.path.join(directory, HEADER_KEY_FILE)
+    try:
+        with open(path, "rb") as f:
+            secret = f.read(SECRET_BYTES + 1)
+    except FileNotFoundError:
+        return None
+    if len(secret) != SECRET_BYTES:
+        raise InvalidRequest(f"{path} holds {len(secret)} bytes, not the {SECRET_BYTES} a tier writes: it is "
+                             f"damaged or not a tier's; delete it to start the tier over (no record written "
+                             f"under the old key can be trusted without it)")
+    return HeaderKey(secret)
+
+
+def open_header_key(directory: str) -> tuple[HeaderKey, bool]:
+    """The key of the tier in ``directory``, created (durably) where there is none; and whether
+    it was created. The caller holds the directory's exclusive lock (no two creators race)."""
+    key = read_header_key(directory)
+    if key is not None:
+        return key, False
+    secret = os.urandom(SECRET_BYTES)
+    path = os.path.join(directory, HEADER_KEY_FILE)
+    scratch = path + ".new"
+    try:
+        fd = os.open(scratch, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.fchmod(fd, 0o600)  # a leftover scratch file keeps its old mode through O_TRUNC
+            if os.write(fd, secret) != SECRET_BYTES:
+                raise OSError(errno.ENOSPC, "short write")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(scratch, path)
+        fsync_directory(directory)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(scratch)
+        raise OSError(exc.errno, f"disk tier {directory}: writing its header key to {path} failed "
+                                 f"({exc.strerror or exc}); nothing else was changed") from exc
+    return HeaderKey(secret), True
 
 
 def allocated_bytes(directory: str) -> int:
@@ -220,9 +268,9 @@ def open_index(index_dir: str) -> Rdict:
 
 
 def set_aside(index_dir: str, reason: str) -> None:
-    """Move a corrupt index (closed) to ``index.corrupt-TIME``, out of the way of a new one."""
+    """Move an index that cannot be used (closed) to ``index.corrupt-TIME``, out of the way of a new one."""
     aside = f"{index_dir}.corrupt-{int(time.time())}"
-    log.warning("disk index at %s is corrupt (%s); moved to %s, rebuilding", index_dir, reason, aside)
+    log.warning("disk index at %s cannot be used (%s); moved to %s, rebuilding", index_dir, reason, aside)
     shutil.move(index_dir, aside)
 
 
@@ -329,14 +377,15 @@ def segment_name(segment_id: int) -> str:
     return f"{segment_id:08d}.seg"
 
 
-def newest_records(segments_dir: str, segment_ids: list[int], progress: Callable[[int], None] | None = None,
-                   ) -> tuple[dict[bytes, IndexEntry], tuple[int, int]]:
-    """The index a set of segments implies: for each key its valid record with the highest
-    sequence number (payload verified), and the tail (segment, offset) after the last valid record."""
+def newest_records(segments_dir: str, segment_ids: list[int], header_key: HeaderKey,
+                   progress: Callable[[int], None] | None = None) -> tuple[dict[bytes, IndexEntry], tuple[int, int]]:
+    """The index a set of segments implies: for each key its valid record (``header_key``
+    authenticates its header, its payload verifies) with the highest sequence number, and the
+    tail (segment, offset) after the last valid record."""
     best: dict[bytes, IndexEntry] = {}
     tail = (0, 0)
     for segment_id in segment_ids:
-        for record in scan_segment(os.path.join(segments_dir, segment_name(segment_id)), verify=True,
+        for record in scan_segment(os.path.join(segments_dir, segment_name(segment_id)), header_key, verify=True,
                                    progress=progress):
             if not record.valid:
                 continue

@@ -1,15 +1,17 @@
 """The disk tier's recovery. On open: read the whole index (an index found corrupt is set aside and
-rebuilt, before anything acts on it), drop entries whose bytes are gone, cut the active segment
-back to its committed tail, delete segments nothing was committed to, rebuild a missing index from
-the segment headers, and free bytes no live record covers. While open: reopen the index after a
-write to it failed (``_commit``); check the books against the files (``check_integrity``).
+rebuilt, before anything acts on it), read the header key (made where there is none: then no record
+already there can be authenticated, and an index of them is set aside), drop entries whose bytes
+are gone, cut the active segment back to its committed tail, delete segments nothing was committed
+to, rebuild a missing index from the segment headers, and free bytes no live record covers. While
+open: reopen the index after a write to it failed (``_commit``); check the books against the files
+(``check_integrity``).
 
 ``DiskRecovery`` is half of ``DiskTier`` (kept apart to keep each file to one concern). It expects
 the host class to provide ``path``, ``direct_io``, ``_segments_dir``, ``_index_dir``, ``_db``,
 ``_unindexed``, ``_books``, ``_write_opt``, ``_index``, ``_segments``, ``_active``, ``_tail``, ``_seq``,
 ``_counters``, ``_progress``, ``_lock``, ``used_bytes``, ``capacity_bytes``, ``_count``, ``_invalidate``
-and ``_delete_segment``; ``_recover`` runs once, at open, before the tier serves anything; ``_commit``
-with the tier's lock held.
+and ``_delete_segment``; it sets ``_header_key``. ``_recover`` runs once, at open, before the tier
+serves anything; ``_commit`` with the tier's lock held.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from rocksdict import WriteBatch
 from kvstore.errors import InvalidRequest
 from kvstore.tiers.base import KEY_BYTES
 from kvstore.tiers.disk_files import (
-    BLOCK_KEY_PREFIX, FORMAT_KEY, FORMAT_VERSION, TAIL_KEY, TAIL_VALUE, CorruptIndex, SegmentFile, StoredIndex,
-    _index_error, newest_records, open_index, read_index, segment_name, set_aside,
+    BLOCK_KEY_PREFIX, FORMAT_KEY, FORMAT_VERSION, HEADER_KEY_FILE, TAIL_KEY, TAIL_VALUE, CorruptIndex, SegmentFile,
+    StoredIndex, _index_error, newest_records, open_header_key, open_index, read_index, segment_name, set_aside,
 )
 from kvstore.tiers.segment import HEADER_BYTES, MAGIC, PAGE, RecordHeader, footprint, punch_hole
 
@@ -45,6 +47,12 @@ class DiskRecovery:
     def _recover(self) -> None:
         on_disk = self._segment_ids_on_disk()
         stored = self._read_index()
+        self._header_key, created = open_header_key(self.path)
+        if created and on_disk:  # no header of these segments can be authenticated: garbage, all of it
+            log.warning("disk tier %s: no header key (%s) beside %d segment files; their records cannot be "
+                        "told from forgeries and are reclaimed as garbage", self.path, HEADER_KEY_FILE, len(on_disk))
+            if stored.stamp is not None:
+                stored = self._replace_index("its records were written under a header key that is gone")
         if stored.stamp is None:  # a new index, or one lost or set aside: the segments are the truth
             if on_disk:
                 self._rebuild_index(on_disk)
@@ -61,15 +69,20 @@ class DiskRecovery:
         try:
             stored = read_index(self._db, self._index_dir)
         except CorruptIndex as exc:
-            self._drop_index()
-            set_aside(self._index_dir, str(exc))
-            self._db = open_index(self._index_dir)
-            return read_index(self._db, self._index_dir)
+            return self._replace_index(str(exc))
         if stored.stamp is not None and stored.stamp != FORMAT_VERSION:  # another version's: records read as garbage
             raise InvalidRequest(f"disk tier {self.path} holds format {stored.stamp.decode(errors='replace')!r}, and "
                                  f"this kvstore reads {FORMAT_VERSION.decode()!r}; left as it is: open it with the "
                                  "kvstore that wrote it, or give this one another directory")
         return stored
+
+    def _replace_index(self, reason: str) -> StoredIndex:
+        """Close the index, set it aside (``reason`` says why it cannot be used), and read the
+        empty one opened in its place: unstamped, so the segments are the truth."""
+        self._drop_index()
+        set_aside(self._index_dir, reason)
+        self._db = open_index(self._index_dir)
+        return read_index(self._db, self._index_dir)
 
     def _load_index(self, stored: StoredIndex, on_disk: list[int]) -> None:
         sizes = {i: os.path.getsize(os.path.join(self._segments_dir, segment_name(i))) for i in on_disk}
@@ -127,7 +140,7 @@ class DiskRecovery:
         total = sum(os.path.getsize(os.path.join(self._segments_dir, segment_name(i))) for i in on_disk)
         advance = self._progress("rebuilding disk index", total) if self._progress else None
         log.warning("disk tier %s: no index, rebuilding from %d segments (%d bytes)", self.path, len(on_disk), total)
-        best, tail = newest_records(self._segments_dir, on_disk, advance)
+        best, tail = newest_records(self._segments_dir, on_disk, self._header_key, advance)
         batch = WriteBatch(raw_mode=True)
         for key, entry in best.items():
             batch.put(BLOCK_KEY_PREFIX + key, entry.encode())
@@ -194,7 +207,7 @@ class DiskRecovery:
                 at = 0
                 while at + HEADER_BYTES <= len(span):
                     page = span[at : at + HEADER_BYTES]
-                    header = RecordHeader.decode(page) if bytes(page[: len(MAGIC)]) == MAGIC else None
+                    header = RecordHeader.decode(page, self._header_key) if bytes(page[: len(MAGIC)]) == MAGIC else None
                     if header is not None:
                         found.append(offset + at)
                     at += footprint(header.nbytes) if header is not None else PAGE

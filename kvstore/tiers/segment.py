@@ -5,8 +5,8 @@ padding to the next boundary, so every payload is page-aligned (DMA/O_DIRECT fri
 hole can be punched over exactly one record::
 
     offset  size        field
-    0       8           magic b"KVSREC01"
-    8       4           header version (1)
+    0       8           magic b"KVSREC02"
+    8       4           header version (2)
     12      4           num_layers L
     16      32          key (namespace id | block hash)
     48      8           payload bytes
@@ -14,13 +14,16 @@ hole can be punched over exactly one record::
     64      32          parent key (zeros at a chain head)
     96      8           flags (bit 0: has parent)
     104     8 * L       xxh3-64 of each layer of the payload
-    104+8L  8           xxh3-64 of header bytes [0, 104 + 8L)
+    104+8L  16          keyed BLAKE2b of header bytes [0, 104 + 8L) under the tier's secret
     ...                 zeros up to 4096
     4096    payload     the block, layer-major
     ...                 zeros up to the next 4096 boundary
 
 Headers carry everything needed to rebuild the index from the segments alone. A punched hole
-reads back as zeros, which is not a valid magic, so a scan skips it page by page.
+reads back as zeros, which is not a valid magic, so a scan skips it page by page. Stepping page
+by page also walks through payloads (after a zeroed or damaged header), which are clients' bytes:
+the keyed tag (``kvstore.tiers.header_key``) is what keeps a header planted in a payload from
+passing for a record. Version 1 (``KVSREC01``) ended with an unkeyed xxh3-64 of the same bytes.
 """
 
 from __future__ import annotations
@@ -34,16 +37,16 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import numpy as np
-import xxhash
 
 from kvstore.checksum import layers_match
+from kvstore.tiers.header_key import TAG_BYTES, HeaderKey
 
-MAGIC = b"KVSREC01"
-VERSION = 1
+MAGIC = b"KVSREC02"
+VERSION = 2
 PAGE = 4096
 HEADER_BYTES = PAGE
 _FIXED = struct.Struct("<8sII32sQQ32sQ")  # 104 bytes
-MAX_LAYERS = (HEADER_BYTES - _FIXED.size - 8) // 8
+MAX_LAYERS = (HEADER_BYTES - _FIXED.size - TAG_BYTES) // 8
 _NO_PARENT = bytes(32)
 
 
@@ -61,26 +64,28 @@ class RecordHeader:
     parent: bytes | None
     checksums: tuple[int, ...]
 
-    def encode(self) -> bytes:
+    def encode(self, header_key: HeaderKey) -> bytes:
+        """The header page, tagged with the tier's ``header_key``."""
         assert 0 < self.num_layers <= MAX_LAYERS, "layer count checked at registration (bug)"
         flags = 1 if self.parent is not None else 0
         fixed = _FIXED.pack(
             MAGIC, VERSION, self.num_layers, self.key, self.nbytes, self.seq, self.parent or _NO_PARENT, flags
         )
         body = fixed + struct.pack(f"<{self.num_layers}Q", *self.checksums)
-        body += struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
+        body += header_key.tag(body)
         return body + bytes(HEADER_BYTES - len(body))
 
     @classmethod
-    def decode(cls, page: bytes | np.ndarray) -> "RecordHeader | None":
-        """Parse a header page; None unless magic, version and header checksum all hold."""
+    def decode(cls, page: bytes | np.ndarray, header_key: HeaderKey) -> "RecordHeader | None":
+        """Parse a header page; None unless magic, version and ``header_key``'s tag all hold."""
         raw = bytes(page[:HEADER_BYTES])
+        if len(raw) < HEADER_BYTES:
+            return None
         magic, version, num_layers, key, nbytes, seq, parent, flags = _FIXED.unpack_from(raw)
         if magic != MAGIC or version != VERSION or not 0 < num_layers <= MAX_LAYERS:
             return None
         end = _FIXED.size + 8 * num_layers
-        (stored,) = struct.unpack_from("<Q", raw, end)
-        if xxhash.xxh3_64_intdigest(raw[:end]) != stored:
+        if not header_key.authenticates(raw[:end], raw[end : end + TAG_BYTES]):
             return None
         checksums = struct.unpack_from(f"<{num_layers}Q", raw, _FIXED.size)
         return cls(key, nbytes, num_layers, seq, parent if flags & 1 else None, checksums)
@@ -94,9 +99,10 @@ class ScannedRecord:
 
 
 def scan_segment(
-    path: str, verify: bool = True, progress: Callable[[int], None] | None = None
+    path: str, header_key: HeaderKey, verify: bool = True, progress: Callable[[int], None] | None = None
 ) -> Iterator[ScannedRecord]:
-    """Every record found in a segment, in file order; holes and garbage are skipped page by page.
+    """Every record ``header_key`` authenticates in a segment, in file order; holes, garbage and pages
+    that are not this tier's headers are skipped page by page.
 
     With ``verify`` each payload is read and checked; a truncated or corrupt record is yielded
     with ``valid=False``. ``progress`` receives the number of bytes advanced.
@@ -106,7 +112,7 @@ def scan_segment(
         offset = 0
         while offset + HEADER_BYTES <= size:
             page = os.pread(f.fileno(), HEADER_BYTES, offset)
-            header = RecordHeader.decode(page) if page[:8] == MAGIC else None
+            header = RecordHeader.decode(page, header_key) if page[:8] == MAGIC else None
             if header is None:
                 step = PAGE
             else:

@@ -15,7 +15,9 @@ from kvstore.keys import namespace_hashes
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.segment import HEADER_BYTES, scan_segment
 from tests.conftest import payloads_for
-from tests.kvstore.tiers.disk_helpers import TierOwner, corrupt_index_block, reads_exact, tier_with_index_in_one_sst
+from tests.kvstore.tiers.disk_helpers import (
+    TierOwner, corrupt_index_block, header_key_of, reads_exact, tier_with_index_in_one_sst,
+)
 from tests.kvstore.tiers.tmpfs import mounted_tmpfs
 
 
@@ -57,7 +59,7 @@ def test_clean_tier_reports_clean_and_changes_nothing(disk_dir):
     assert report.clean and report.ok == report.indexed_blocks == 10
     assert (report.bad_entries, report.corrupt_records, report.orphans, report.missing_segments) == (0, 0, 0, 0)
     assert _files(disk_dir) == before
-    assert sorted(os.listdir(disk_dir)) == ["index", "segments"]
+    assert sorted(os.listdir(disk_dir)) == ["header.key", "index", "segments"]
     assert "status: clean" in format_report(report)
 
 
@@ -97,6 +99,20 @@ def test_missing_index_is_reported_not_fatal(disk_dir):
     report = fsck(str(disk_dir))
     assert report.indexed_blocks == 0 and report.orphans == 10
     assert any("index directory is missing" in p for p in report.problems)
+
+
+def test_a_missing_header_key_is_a_problem_and_repair_starts_the_tier_empty(disk_dir, capsys):
+    """Without DIR/header.key no record header authenticates: every block is lost, and saying
+    "clean" (or counting orphans) would hide it."""
+    os.unlink(disk_dir / "header.key")
+    report = fsck(str(disk_dir))
+    assert not report.clean and report.header_key_missing and report.indexed_blocks == 10 and report.ok == 0
+    assert any("header.key is missing" in p and "none of their blocks can be served" in p for p in report.problems)
+    assert main(["fsck", str(disk_dir)]) == 1
+    assert "PROBLEMS FOUND" in capsys.readouterr().out
+    repaired = fsck(str(disk_dir), repair=True)
+    assert repaired.clean and repaired.indexed_blocks == repaired.segments == 0
+    assert (disk_dir / "header.key").exists()
 
 
 def test_progress_callback_sees_every_byte(disk_dir):
@@ -140,7 +156,7 @@ def test_a_torn_record_past_the_committed_tail_is_uncommitted_not_corrupt(disk_d
     legitimate crash state the next open cuts away, so the tier is clean."""
     segment = disk_dir / "segments" / "00000001.seg"
     tail = os.path.getsize(segment)
-    first = next(scan_segment(str(segment), verify=False))
+    first = next(scan_segment(str(segment), header_key_of(disk_dir), verify=False))
     with open(segment, "r+b") as f:  # the first record's header and half its payload, at the tail
         f.seek(tail)
         f.write(os.pread(f.fileno(), HEADER_BYTES + first.header.nbytes // 2, first.offset))
@@ -182,7 +198,7 @@ def test_fsck_refuses_a_tier_another_process_has_open_and_changes_nothing(disk_d
                 fsck(str(disk_dir), repair=repair)
         assert main(["fsck", "--repair", str(disk_dir)]) == 2
         assert "is in use: another kvstore process" in capsys.readouterr().err
-        assert sorted(os.listdir(disk_dir)) == ["index", "segments", "tier.lock"]  # no index moved aside
+        assert sorted(os.listdir(disk_dir)) == ["header.key", "index", "segments", "tier.lock"]  # no index moved aside
         assert owner.put(1002) == [True]  # durable: acknowledged means on disk
         owner.close()
     tier = DiskTier(str(disk_dir), 64 << 20)
@@ -204,7 +220,7 @@ def test_a_repair_on_a_full_file_system_says_so_and_moves_nothing(disk_dir, tmp_
             assert main(["fsck", "--repair", tier_dir]) == 2
             out, err = capsys.readouterr()
             assert "No space left on device" in err and tier_dir in err and out == ""
-            assert sorted(os.listdir(tier_dir)) == ["index", "segments", "tier.lock"]
+            assert sorted(os.listdir(tier_dir)) == ["header.key", "index", "segments", "tier.lock"]
             report = fsck(tier_dir)  # the check needs no space, and the index still reads
             assert report.clean and report.ok == report.indexed_blocks == 10
         finally:

@@ -17,6 +17,8 @@ from kvstore.checksum import layer_checksums
 from kvstore.tiers import disk_reclaim, disk_recovery
 from kvstore.tiers.base import BlockMeta
 from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.disk_files import read_header_key
+from kvstore.tiers.header_key import HeaderKey
 from kvstore.tiers.segment import footprint, scan_segment
 
 
@@ -63,10 +65,17 @@ def segment_paths(path) -> list[str]:
     return sorted(glob.glob(os.path.join(str(path), "segments", "*.seg")))
 
 
+def header_key_of(path) -> HeaderKey:
+    """The header key of the tier at ``path`` (what a test forging or reading records needs)."""
+    header_key = read_header_key(str(path))
+    assert header_key is not None, f"no header key in {path}"
+    return header_key
+
+
 def locate(path, key: bytes) -> tuple[str, int]:
     """(segment file, record offset) of ``key``, found by scanning the segments."""
     for seg in segment_paths(path):
-        for record in scan_segment(seg, verify=False):
+        for record in scan_segment(seg, header_key_of(path), verify=False):
             if record.header.key == key:
                 return seg, record.offset
     raise AssertionError("record not found in any segment")
@@ -111,6 +120,8 @@ def corrupt_index_block(sst: str, where: str) -> None:
 _OWNER = """
 import json, sys
 from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.disk_files import read_header_key
+from kvstore.tiers.header_key import HeaderKey
 from tests.kvstore.tiers.disk_helpers import key_of, put
 
 tier = DiskTier(sys.argv[1], 64 << 20, durable=True)

@@ -127,7 +127,7 @@ def test_a_tier_of_another_format_version_is_refused_and_left_as_it_is(open_tier
     index.close()
     segments = {p: p.read_bytes() for p in (tmp_path / "disk" / "segments").iterdir()}
     with pytest.raises(InvalidRequest, match=r"holds format 'kvstore-disk-9', and this kvstore reads "
-                                             r"'kvstore-disk-1'; left as it is"):
+                                             r"'kvstore-disk-2'; left as it is"):
         open_tier()
     assert {p: p.read_bytes() for p in (tmp_path / "disk" / "segments").iterdir()} == segments
     index = Rdict(str(tmp_path / "disk" / "index"), options=Options(raw_mode=True))

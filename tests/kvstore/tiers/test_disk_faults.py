@@ -17,7 +17,7 @@ from kvstore.tiers.segment import HEADER_BYTES, scan_segment
 
 from tests.kvstore.tiers.disk_helpers import (
     LAYERS, NBYTES, FP, key_of, index_of, payload_of, meta_of, put, reads_exact, locate, flip_byte,
-    without_hole_punching,
+    header_key_of, without_hole_punching,
 )
 
 
@@ -387,10 +387,11 @@ def test_a_record_header_with_another_layer_count_is_a_miss(open_tier, tmp_path,
     tier = open_tier()
     assert put(tier, 0) and put(tier, 1)
     seg, offset = locate(tmp_path / "disk", key_of(1))
-    header = next(r.header for r in scan_segment(seg, verify=False) if r.offset == offset)
+    header_key = header_key_of(tmp_path / "disk")
+    header = next(r.header for r in scan_segment(seg, header_key, verify=False) if r.offset == offset)
     one_layer = replace(header, num_layers=1, checksums=layer_checksums(payload_of(1), 1))
     with open(seg, "r+b") as f:
-        os.pwrite(f.fileno(), one_layer.encode(), offset)
+        os.pwrite(f.fileno(), one_layer.encode(header_key), offset)
     assert tier.meta(key_of(1)) is None
     count = LAYERS - first_layer if num_layers is None else num_layers
     assert not tier.read(key_of(1), np.zeros(count * NBYTES // LAYERS, np.uint8), first_layer, num_layers)

@@ -131,7 +131,7 @@ def test_opening_a_healthy_tier_on_a_full_disk_fails_clearly_and_leaves_the_inde
         with pytest.raises(OSError, match=f"{path}.*No space left on device") as caught:
             DiskTier(path, 64 << 20)
         assert caught.value.errno == errno.ENOSPC
-        assert sorted(os.listdir(path)) == ["index", "segments", "tier.lock"]
+        assert sorted(os.listdir(path)) == ["header.key", "index", "segments", "tier.lock"]
     filler.close()
     tier = open_tier(path, segment_bytes=1 << 20)
     assert tier.stats().extra["index_rebuilds"] == 0 and tier.stats().blocks == 10

@@ -21,7 +21,7 @@ def test_second_process_is_refused_and_the_owners_acknowledged_writes_survive(tm
         assert owner.put(0, 1, 2) == [True] * 3
         with pytest.raises(NotPermitted, match=f"{path} is in use: another kvstore process"):
             open_tier(path)
-        assert sorted(os.listdir(path)) == ["index", "segments", "tier.lock"]  # nothing moved aside
+        assert sorted(os.listdir(path)) == ["header.key", "index", "segments", "tier.lock"]  # nothing moved aside
         assert owner.put(3, 4, 5) == [True] * 3  # durable: acknowledged means on disk
         owner.close()
     tier = open_tier(path)
@@ -73,7 +73,7 @@ def test_an_index_locked_by_rocksdb_is_left_alone_and_the_failed_open_lets_go(tm
     try:
         with pytest.raises(OSError, match="could not be opened .*left as it is"):
             open_tier()
-        assert sorted(os.listdir(tmp_path / "disk")) == ["index", "segments", "tier.lock"]
+        assert sorted(os.listdir(tmp_path / "disk")) == ["header.key", "index", "segments", "tier.lock"]
         assert index.get(b"b" + key_of(0)) is not None  # the entries are still in the live index
     finally:
         index.close()

@@ -70,7 +70,7 @@ def test_an_index_read_failing_for_a_cause_outside_it_fails_the_open_and_leaves_
     with pytest.raises(OSError, match="could not be read.*Input/output error") as caught:
         disk.DiskTier(str(tmp_path / "disk"), 64 << 20)
     assert caught.value.errno == errno.EIO
-    assert sorted(os.listdir(tmp_path / "disk")) == ["index", "segments", "tier.lock"]
+    assert sorted(os.listdir(tmp_path / "disk")) == ["header.key", "index", "segments", "tier.lock"]
     monkeypatch.undo()
     tier = open_tier()
     assert tier.stats().extra["index_rebuilds"] == 0 and all(reads_exact(tier, i) for i in range(5))
