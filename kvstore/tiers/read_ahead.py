@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -122,64 +123,91 @@ class ReadAhead:
         self._free = [self._buffers.take(size) for _ in range(min(depth, len(self._pending)))]
         self._inflight: collections.deque[_Span] = collections.deque()
         self._taken = False
+        self._lock = threading.Lock()  # the owning thread's calls against ``abandon`` from another
         self._fill()
 
     def exhausted(self) -> bool:
-        return not self._inflight and not self._pending
+        with self._lock:
+            return not self._inflight and not self._pending
 
     def take(self, key: bytes, segment: int, offset: int) -> np.ndarray | None:
         """The bytes of ``key``'s record at ``segment``, ``offset`` (a view, valid until ``done``)
         when it is the next in the run, else None. Raises the read's OSError; a short read gives a
         shorter view."""
-        if self._taken or not self._inflight:
-            return None
-        span = self._inflight[0]
-        record = span.records[span.next]
-        if (record.key, record.segment, record.offset) != (key, segment, offset):
-            return None
+        with self._lock:
+            if self._taken or not self._inflight:
+                return None
+            span = self._inflight[0]
+            record = span.records[span.next]
+            if (record.key, record.segment, record.offset) != (key, segment, offset):
+                return None
+            self._taken = True  # from here ``abandon`` leaves this span's read and buffer alone
         got = span.future.result()
         start = record.offset - span.records[0].offset
-        self._taken = True
         return span.buffer[start : min(start + record.length, max(got, start))]
 
     def done(self) -> None:
         """The record from the last ``take`` is no longer used; a span whose records are all done
         gives its buffer to the next read."""
-        if not self._taken:
-            return
-        self._taken = False
-        span = self._inflight[0]
-        span.next += 1
-        if span.next == len(span.records):
-            self._inflight.popleft()
-            self._free.append(span.buffer)
-            self._fill()
+        with self._lock:
+            if not self._taken:
+                return
+            self._taken = False
+            if not self._inflight:  # abandoned meanwhile: nothing more is read
+                return
+            span = self._inflight[0]
+            span.next += 1
+            if span.next == len(span.records):
+                self._inflight.popleft()
+                self._free.append(span.buffer)
+                self._fill()
 
     def close(self) -> None:
         """Stop: wait for the reads in flight (their buffers are being written), drop the rest and
-        give every buffer back. Views from ``take`` are invalid afterwards."""
-        self._pending.clear()
-        for span in self._inflight:
-            if not span.future.cancel():
-                try:
-                    span.future.result()
-                except OSError:
-                    pass
-            self._free.append(span.buffer)
-        self._inflight.clear()
-        for buffer in self._free:
-            self._buffers.give(buffer)
-        self._free.clear()
-        self._taken = False
-        self._owners = ()
+        give every buffer back. Views from ``take`` are invalid afterwards. The owning thread's call."""
+        with self._lock:
+            self._pending.clear()
+            for span in self._inflight:
+                if not span.future.cancel():
+                    _wait(span.future)
+                self._free.append(span.buffer)
+            self._inflight.clear()
+            for buffer in self._free:
+                self._buffers.give(buffer)
+            self._free.clear()
+            self._taken = False
+            self._owners = ()
+
+    def abandon(self) -> None:
+        """Stop the run from another thread (its tier is closing): read nothing more, wait for the
+        reads in flight, let the segments go. Its buffers are dropped, never given back to the pool:
+        the owning thread may still be verifying or copying a view of one, and a buffer another run
+        took and read into meanwhile would change those bytes under it. The owning thread's next
+        ``take`` returns None, its ``done`` does nothing."""
+        with self._lock:
+            self._pending.clear()
+            for span in self._inflight:
+                _wait(span.future)  # never cancelled: the owning thread may be waiting for it in ``take``
+            self._inflight.clear()
+            self._free.clear()
+            self._owners = ()
 
     def _fill(self) -> None:
+        """Submit the next spans into the free buffers; caller holds ``_lock``."""
         while self._free and self._pending:
             span = self._pending.popleft()
             span.buffer = self._free.pop()
             first = span.records[0]
             span.future = self._reader.submit(read_direct_into, first.fd, first.offset, span.buffer[: span.nbytes])
             self._inflight.append(span)
+
+
+def _wait(future: Future) -> None:
+    """Wait for a read; its failure is the reading thread's to report (``take``), not this one's."""
+    try:
+        future.result()
+    except OSError:
+        pass
 
 
 def _spans(records: list[Record], span_bytes: int) -> list[_Span]:
@@ -197,36 +225,55 @@ def _spans(records: list[Record], span_bytes: int) -> list[_Span]:
 
 
 class ThreadRuns:
-    """Each loading thread's current ``ReadAhead``, and the one reader thread they share."""
+    """Each loading thread's current ``ReadAhead``, and the one reader thread they share.
+
+    ``close`` abandons every run still open, whichever thread holds it, before it stops the reader:
+    until session 35 a run left open by an idle thread kept its segments' descriptors open after the
+    tier closed, and a load racing the close failed with ``RuntimeError`` (a read submitted to a
+    stopped reader). After ``close`` no run starts; loads read record by record."""
 
     def __init__(self, thread_name: str = "kvstore-disk-read"):
         self._local = threading.local()
         self._reader: ThreadPoolExecutor | None = None
         self.buffers = SHARED_BUFFERS
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the reader, the open runs and whether closed
+        self._open: weakref.WeakSet[ReadAhead] = weakref.WeakSet()  # a dead thread's run goes with it
+        self._closed = False
         self._thread_name = thread_name
 
     def current(self) -> ReadAhead | None:
         return getattr(self._local, "run", None)
 
     def start(self, records: list[Record], owners: tuple = ()) -> None:
-        """This thread's run becomes one over ``records`` (none for fewer than two)."""
+        """This thread's run becomes one over ``records`` (none for fewer than two, or once closed)."""
         self.end(self.current())
         if len(records) < 2:
             return
-        with self._lock:
+        with self._lock:  # held while the first reads are submitted: ``close`` cannot stop the reader under them
+            if self._closed:
+                return
             if self._reader is None:
                 self._reader = ThreadPoolExecutor(1, thread_name_prefix=self._thread_name)
-        self._local.run = ReadAhead(self._reader, records, owners=owners, buffers=self.buffers)
+            run = ReadAhead(self._reader, records, owners=owners, buffers=self.buffers)
+            self._open.add(run)
+        self._local.run = run
 
     def end(self, run: ReadAhead | None) -> None:
         """Close ``run``; if it is this thread's, the thread has none after."""
         if run is not None:
             run.close()
+            with self._lock:
+                self._open.discard(run)
             if self.current() is run:
                 self._local.run = None
 
     def close(self) -> None:
-        """Wait for the reader thread (call once no thread starts runs any more)."""
+        """Abandon every open run (``ReadAhead.abandon``), then stop the reader thread."""
+        with self._lock:
+            self._closed = True
+            runs = list(self._open)
+            self._open.clear()
+        for run in runs:
+            run.abandon()
         if self._reader is not None:
             self._reader.shutdown(wait=True)

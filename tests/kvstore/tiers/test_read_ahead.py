@@ -4,6 +4,7 @@ byte is still verified; anything out of step falls back to reading alone."""
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -13,7 +14,7 @@ from kvstore.checksum import layer_checksums
 from kvstore.tiers import direct_io, disk as disk_module
 from kvstore.tiers.base import BlockMeta
 from kvstore.tiers.disk import DiskTier
-from kvstore.tiers.read_ahead import ReadAhead, Record, SpanBuffers
+from kvstore.tiers.read_ahead import ReadAhead, Record, SpanBuffers, ThreadRuns
 from kvstore.tiers.segment import footprint
 
 LAYERS = 4
@@ -158,6 +159,65 @@ def test_close_waits_for_reads_in_flight_and_take_refuses_other_records(tmp_path
             assert run.exhausted() and run.take(b"c", 1, 24576) is None
     finally:
         os.close(fd)
+
+
+def test_a_run_abandoned_by_close_keeps_its_taken_view_and_reads_nothing_more(tmp_path):
+    """A load racing the tier's close: before session 35 its next ``done`` submitted a read to the
+    stopped reader (RuntimeError out of ``DiskTier.read``). Now the run stops, the view it handed
+    out keeps its bytes (the buffer never goes back to the pool for another run to read into)."""
+    path = str(tmp_path / "f.bin")
+    data = np.random.default_rng(1).integers(0, 256, 4 * 8192, dtype=np.uint8)
+    data.tofile(path)
+    fd = direct_io.open_direct(path)
+    if fd is None:
+        pytest.skip("this file system has no O_DIRECT")
+    try:
+        runs = ThreadRuns()
+        runs.buffers = SpanBuffers(span_bytes=8192, keep=8)  # a span per record: more to read after the first
+        runs.start([Record(bytes([i]), 1, fd, i * 8192, 8192) for i in range(4)])
+        run = runs.current()
+        view = run.take(bytes([0]), 1, 0)
+        closing = threading.Thread(target=runs.close)
+        closing.start()
+        closing.join()
+        run.done()
+        assert run.take(bytes([1]), 1, 8192) is None and run.exhausted()
+        assert np.array_equal(view, data[:8192]) and runs.buffers.spare() == 0
+        runs.start([Record(bytes([i]), 1, fd, i * 8192, 8192) for i in range(4)])
+        assert runs.current() is None  # no run after close
+    finally:
+        os.close(fd)
+
+
+def test_closing_the_tier_lets_go_of_an_idle_threads_run(tmp_path):
+    """A thread that read one block of a prefetched run and went idle: before session 35 its run
+    kept the segments' descriptors open after the tier closed, for as long as the thread lived."""
+    tier = DiskTier(str(tmp_path / "disk"), 1 << 26, segment_bytes=footprint(NBYTES), direct_io=True)
+    payloads = [np.random.default_rng(i).integers(0, 256, NBYTES, dtype=np.uint8) for i in range(3)]
+    for i, payload in enumerate(payloads):
+        assert tier.write(key(i), payload, BlockMeta(NBYTES, LAYERS, layer_checksums(payload, LAYERS)))
+    if not tier.direct_io:
+        tier.close()
+        pytest.skip("this file system has no O_DIRECT")
+    segments = str(tmp_path / "disk" / "segments")
+    read_one, closed = threading.Event(), threading.Event()
+
+    def load():
+        tier.prefetch([key(i) for i in range(3)])
+        assert tier.read(key(0), np.empty(NBYTES, np.uint8))
+        read_one.set()
+        closed.wait(10)
+
+    loader = threading.Thread(target=load)
+    loader.start()
+    try:
+        assert read_one.wait(10)
+        assert any(name.startswith(segments) for name in _open_files())
+        tier.close()
+        assert not [name for name in _open_files() if name.startswith(segments)]
+    finally:
+        closed.set()
+        loader.join()
 
 
 def test_records_back_to_back_in_one_file_are_read_together_up_to_the_span_size():
