@@ -16,6 +16,7 @@ serves anything; ``_commit`` with the tier's lock held.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import os
@@ -65,16 +66,24 @@ class DiskRecovery:
         """The whole index, checked to be in this kvstore's format. An index a read finds corrupt
         (a block failing its checksum) is closed, set aside and replaced by an empty one, which
         reads as unstamped (to be rebuilt): an index read short must not pass for the truth, or
-        the records it no longer lists would be freed as garbage."""
+        the records it no longer lists would be freed as garbage. An index of another format
+        version is refused (``InvalidRequest``, nothing changed), unless it lists no block: then it
+        reads as unstamped, and the tier is rebuilt as this version's."""
         try:
             stored = read_index(self._db, self._index_dir)
         except CorruptIndex as exc:
             return self._replace_index(str(exc))
-        if stored.stamp is not None and stored.stamp != FORMAT_VERSION:  # another version's: records read as garbage
-            raise InvalidRequest(f"disk tier {self.path} holds format {stored.stamp.decode(errors='replace')!r}, and "
-                                 f"this kvstore reads {FORMAT_VERSION.decode()!r}; left as it is: open it with the "
-                                 "kvstore that wrote it, or give this one another directory")
-        return stored
+        if stored.stamp is None or stored.stamp == FORMAT_VERSION:
+            return stored
+        other = stored.stamp.decode(errors="replace")
+        if not stored.entries:  # another version's, holding no block: nothing to lose, taken over
+            log.warning("disk tier %s: an empty tier of format %r; taken over as %r", self.path, other,
+                        FORMAT_VERSION.decode())
+            return dataclasses.replace(stored, stamp=None)  # rebuilt: whatever its segments hold is garbage here
+        raise InvalidRequest(f"disk tier {self.path} holds format {other!r}, and this kvstore reads "
+                             f"{FORMAT_VERSION.decode()!r}; left as it is: open it with the kvstore that wrote it, "
+                             "give this one another directory, or delete it to start over (a cache: its blocks "
+                             "are computed again)")
 
     def _replace_index(self, reason: str) -> StoredIndex:
         """Close the index, set it aside (``reason`` says why it cannot be used), and read the

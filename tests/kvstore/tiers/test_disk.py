@@ -137,6 +137,30 @@ def test_a_tier_of_another_format_version_is_refused_and_left_as_it_is(open_tier
     assert tier.stats().blocks == 5 and all(reads_exact(tier, i) for i in range(5))
 
 
+def test_an_empty_tier_of_another_format_version_is_taken_over(open_tier, tmp_path):
+    """Nothing to lose: an upgrade does not make the operator delete an empty directory by hand.
+    Its segments' leftovers (records of a removed block) are garbage to this version and go."""
+    from rocksdict import Options, Rdict
+
+    from kvstore.tiers.disk_files import FORMAT_KEY
+
+    tier = open_tier()
+    for i in range(3):
+        assert put(tier, i)
+    for i in range(3):
+        assert tier.remove(key_of(i))
+    tier.close()
+    index = Rdict(str(tmp_path / "disk" / "index"), options=Options(raw_mode=True))
+    index.put(FORMAT_KEY, b"kvstore-disk-1")
+    index.close()
+    tier = open_tier()
+    assert tier.stats().blocks == 0 and tier.used_bytes == 0 and tier.stats().extra["index_rebuilds"] == 1
+    assert put(tier, 5) and reads_exact(tier, 5)
+    tier.close()
+    tier = open_tier()  # stamped as this version's now
+    assert tier.stats().extra["index_rebuilds"] == 0 and reads_exact(tier, 5)
+
+
 def test_capacity_enforced_and_space_reclaimed(open_tier, tmp_path):
     tier = open_tier(capacity=10 * FP + FP // 2, segment_bytes=4 * FP)
     for i in range(10):
