@@ -139,12 +139,13 @@ class TieredStore(PlacementMixin, LeaseHolderMixin):
     # ---- lookup ------------------------------------------------------------------------
 
     def lookup(self, ns_id: bytes, block_hashes: Sequence[bytes], lease_ttl_s: float | None = None,
-               wait_s: float | None = None) -> LookupResult:
+               wait_s: float | None = None, counted: bool = True) -> LookupResult:
         """Longest contiguous run of present blocks; changes nothing but the optional lease.
 
         ``wait_s`` bounds the wait for the store's lock (held for bookkeeping only, never through
         disk I/O, but a busy machine can deschedule its holder): past it the answer is a miss
-        (counted as ``busy_lookups``) instead of a wait. None waits as long as it takes."""
+        (counted as ``busy_lookups``) instead of a wait. None waits as long as it takes.
+        ``counted=False``: not a lookup in the stats (a lease for a load its lookup counted)."""
         spec = self.spec(ns_id)
         if lease_ttl_s is not None and not 0 < lease_ttl_s <= MAX_LEASE_TTL_S:
             raise InvalidRequest(f"lease_ttl_s must be in (0, {MAX_LEASE_TTL_S:g}] seconds, got {lease_ttl_s}: "
@@ -154,7 +155,7 @@ class TieredStore(PlacementMixin, LeaseHolderMixin):
                 self._busy_lookups += 1
             return LookupResult(len(block_hashes), spec.block_size, (), busy=True)
         try:
-            return self._lookup_locked(ns_id, spec, block_hashes, lease_ttl_s)
+            return self._lookup_locked(ns_id, spec, block_hashes, lease_ttl_s, counted)
         finally:
             self._lock.release()
 
@@ -175,7 +176,7 @@ class TieredStore(PlacementMixin, LeaseHolderMixin):
         return self._lock.acquire() if wait_s is None else self._lock.acquire(timeout=max(0.0, wait_s))
 
     def _lookup_locked(self, ns_id: bytes, spec: BlockSpec, block_hashes: Sequence[bytes],
-                       lease_ttl_s: float | None) -> LookupResult:
+                       lease_ttl_s: float | None, counted: bool) -> LookupResult:
         """``lookup`` once it holds the lock."""
         self._expire_leases()
         try:
@@ -186,11 +187,9 @@ class TieredStore(PlacementMixin, LeaseHolderMixin):
         # Every hit matched a stored 16-byte digest exactly, so only the rest needs checking:
         # an all-hit lookup pays nothing for validation.
         check_hashes(block_hashes[len(top):])
-        self._counters["lookups"] += 1
-        self._counters["lookup_blocks"] += len(block_hashes)
-        self._counters["hit_blocks"] += len(top)
-        for name in set(top):
-            self._counters[f"hit_blocks:{self._tier_index[name]}"] += top.count(name)
+        if counted:
+            self._counters.update({"lookups": 1, "lookup_blocks": len(block_hashes), "hit_blocks": len(top)})
+            self._counters.update(f"hit_blocks:{self._tier_index[name]}" for name in top)  # one per block
         lease = None
         if lease_ttl_s is not None and top:
             lease = self._leases.grant([ns_id + h for h in block_hashes[: len(top)]], lease_ttl_s)

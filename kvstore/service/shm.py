@@ -72,8 +72,9 @@ def leased_slots(store: TieredStore, ns_id: bytes, block_hashes: Sequence[bytes]
     """Lease the hit of ``block_hashes`` and locate its leading host-tier run, at most ``max_slots``
     of it (reach-in: see above); the client fetches the rest of the hit with Get. The client copies
     the slots itself: the caller tells the store which it copied (``TieredStore.record_access``)
-    once it knows, at the lease's Release."""
-    hit = store.lookup(ns_id, block_hashes, lease_ttl_s)
+    once it knows, at the lease's Release. Not counted as a lookup: a connector's Lookup before it
+    was (the same request counted twice until session 35), as in the Prometheus metrics."""
+    hit = store.lookup(ns_id, block_hashes, lease_ttl_s, counted=False)
     host = host_tier(store)
     slots = []
     if host is not None and hit.lease_id is not None:

@@ -31,7 +31,7 @@ def scrape(registry) -> dict[tuple, float]:
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
-def test_metrics_count_the_traffic_of_a_real_server(server, client, namespace, spec, chain):
+def test_metrics_count_the_traffic_of_a_real_server(server, store, client, namespace, spec, chain):
     ns_id = client.register_namespace(namespace)
     label = ("namespace", f"tiny-mla/{ns_id.hex()[:8]}")
     payloads = payloads_for(spec, chain[:3])
@@ -48,6 +48,8 @@ def test_metrics_count_the_traffic_of_a_real_server(server, client, namespace, s
     got = scrape(server.metrics.registry)
     assert got[("kvstore_lookups_total", (label,))] == 1
     assert got[("kvstore_lookup_tokens_total", (label,))] == 20
+    stats = store.stats()  # the store's own count agrees: load_shm's GetSlots is no second lookup (it was)
+    assert (stats.lookups, stats.lookup_blocks, stats.hit_blocks) == (1, 5, 3)
     assert got[("kvstore_hit_tokens_total", (label, ("tier", "host")))] == 12
     assert got[("kvstore_loaded_tokens_total", (("path", "bytes"), ("tier", "host")))] == 12
     assert got[("kvstore_loaded_tokens_total", (("path", "shm"), ("tier", "host")))] == 8
