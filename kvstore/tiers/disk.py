@@ -153,6 +153,7 @@ class DiskTier(DiskRecovery, DiskReclaim, Tier):
         if self._writer is not None:
             self._writer.shutdown()
         self._segments.clear()
+        self._active = None  # its reference would keep the active segment's descriptor open
         self._dir_lock.release()
 
     # ---- the Tier interface ------------------------------------------------------------

@@ -10,6 +10,10 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
+from kvstore.tiers import disk
+from kvstore.tiers.disk import DiskTier
 from tests.kvstore.tiers.disk_helpers import FP, REPO, put
 
 _CHILD = textwrap.dedent("""
@@ -67,3 +71,29 @@ def test_a_segment_that_cannot_be_opened_for_want_of_descriptors_is_a_rejected_w
     stored = report["writes"].index(False)
     assert 100 < stored and report["writes"] == [True] * stored + [False] * (400 - stored)
     assert report["io_errors"] == 400 - stored and report["reads"] and report["after_removals"]
+
+
+def test_an_open_that_fails_late_keeps_no_segment_open(tmp_path, open_tier, monkeypatch):
+    """An open failing after recovery (here the last step) let the directory go but kept the active
+    segment's descriptor for as long as anything referenced the half-opened tier (the exception's
+    traceback does)."""
+    tier = open_tier()
+    assert put(tier, 0) and put(tier, 1)
+    tier.close()
+
+    def fails(path, capacity_bytes):
+        raise OSError(5, "injected: the last step of the open failed")
+
+    monkeypatch.setattr(disk, "warn_if_oversized", fails)
+    segments = str(tmp_path / "disk" / "segments")
+    with pytest.raises(OSError, match="injected") as caught:
+        DiskTier(str(tmp_path / "disk"), 64 << 20)
+    assert caught.traceback  # the half-opened tier is still referenced from here
+    assert not [fd for fd in os.listdir("/proc/self/fd") if _points_into(fd, segments)]
+
+
+def _points_into(fd: str, directory: str) -> bool:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}").startswith(directory)
+    except FileNotFoundError:  # the listing's own descriptor, closed meanwhile
+        return False
