@@ -26,6 +26,8 @@ How each side maps onto the sidecar's calls (``KVStoreClient``), fast path chose
   ``StoreConnector``), then a background writer hands them over with ``put_shm`` (staging slots
   in shared memory, verified by the sidecar at commit; ``Put`` where that cannot be used), at
   most ``max_transfer_blocks`` (and ``max_transfer_bytes``) a call.
+- ``demote``: a probe ``Lookup`` (no lease, not counted) first; only a block the sidecar lacks is
+  saved, as ``save`` does, copied before ``demote`` returns.
 - ``report_prefill``: one ``ReportPrefill`` on a background thread, for the sidecar's metrics.
 
 A sidecar that is down, restarting or refusing never crashes the engine: ``lookup`` returns a
@@ -262,6 +264,22 @@ class SidecarConnector(KVConnector):
         pages = save_targets(block_hashes, pages)
         self._saves.save(block_hashes, len(pages) * self.spec.block_bytes, lambda: copy_out(self.spec, pool, pages),
                          parent)
+
+    def demote(self, block_hash: bytes, page: int, pool: PageBytes, parent: bytes | None) -> None:
+        """Save the evicted page's block unless the sidecar holds it already (the usual case: the
+        engine saved it when it was computed): one probe ``Lookup`` (``KVStoreClient.holds``: no
+        lease, no lookup counted) instead of copying every layer of the page out and sending a
+        duplicate the sidecar drops, as until session 35. A probe that fails saves it anyway (the
+        save reports what it meets)."""
+        if self.read_only:
+            return
+        try:
+            if self.session.call(lambda: self.client.holds(self.ns_id, block_hash, timeout_s=self.lookup_timeout_s),
+                                 timeout_s=self.lookup_timeout_s):
+                return
+        except Exception:  # grpc.RpcError, skipped while the sidecar does not answer: the save decides
+            pass
+        super().demote(block_hash, page, pool, parent)
 
     def release(self, request_id: str) -> None:
         self._leases.release(request_id)

@@ -124,6 +124,12 @@ class KVStoreClient:
         request = pb.LookupRequest(namespace_id=ns_id, block_hashes=block_hashes, lease_ttl_s=lease_ttl_s)
         return wire.lookup_from_proto(self._stub.Lookup(request, timeout=timeout_s or self._timeout))
 
+    def holds(self, ns_id: bytes, block_hash: bytes, timeout_s: float | None = None) -> bool:
+        """Whether a lookup would hit ``block_hash``, asked without a lease and without counting a
+        lookup (a probe: an engine about to demote a device page asks first)."""
+        request = pb.LookupRequest(namespace_id=ns_id, block_hashes=[block_hash], probe=True)
+        return wire.lookup_from_proto(self._stub.Lookup(request, timeout=timeout_s or self._timeout)).hit_blocks == 1
+
     def load(self, ns_id: bytes, block_hashes: Sequence[bytes], dsts: Sequence,
              lease_id: int | None = None) -> LoadResult:
         """Copy whole blocks, in order, into ``dsts`` (one writable buffer of the block size each).

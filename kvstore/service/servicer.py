@@ -184,6 +184,11 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         self._limits.check_blocks("max_lookup_blocks", len(request.block_hashes))
         ttl_s, client = wire.optional(request, "lease_ttl_s"), client_of(context)
         hashes = list(request.block_hashes)
+        if request.probe:  # whether it is held, asked before a demotion: no lease, no lookup in any count
+            if ttl_s is not None:
+                raise InvalidRequest("a probe takes no lease: leave lease_ttl_s unset, or ask without probe")
+            probed = await asyncio.to_thread(self._store.lookup, request.namespace_id, hashes, counted=False)
+            return wire.lookup_to_proto(probed)
         started = time.perf_counter()
         with self._leases.taking(client) if ttl_s is not None else contextlib.nullcontext():
             result = await self._leasing(context, self._store.lookup, request.namespace_id, hashes, ttl_s)

@@ -376,6 +376,31 @@ def test_a_read_only_connector_loads_but_never_saves_or_demotes(make_store, side
     assert store.stats().stored_blocks == 3, "a demoted page becomes a block in the sidecar"
 
 
+def test_demoting_a_block_the_sidecar_holds_sends_nothing_and_one_it_lacks_is_saved(make_store, sidecars,
+                                                                                    connectors, hashes):
+    """Until session 35 every device eviction copied the page out and sent it, a duplicate the
+    sidecar dropped in the usual case (the engine saved the block when it was computed)."""
+    store = make_store()
+    connector = connectors(sidecars(store).target, NS)
+    source = BytePool(3, seed=8)
+    connector.save("a", hashes[:2], [0, 1], source, parent=None)
+    connector.flush()
+    before = store.stats()
+    connector.demote(hashes[1], 1, source, parent=hashes[0])
+    connector.flush()
+    after = store.stats()
+    assert (after.puts, after.duplicate_blocks) == (before.puts, before.duplicate_blocks), "nothing was sent"
+    assert after.lookups == before.lookups, "the probe is not a lookup: the hit rate is not skewed"
+    assert after.leases_active == 0, "the probe takes no lease"
+    connector.demote(hashes[2], 2, source, parent=hashes[1])
+    connector.flush()
+    assert store.stats().stored_blocks == 3 and store.stats().puts == after.puts + 1
+    hit = connector.lookup("b", hashes)
+    target = BytePool(3)
+    assert hit.blocks == 3 and connector.start_load(hit, hashes, [0, 1, 2], target).wait() == 3
+    assert torch.equal(target.layer_page_bytes(2, 2), source.layer_page_bytes(2, 2))
+
+
 @pytest.mark.parametrize("ttl", [0, 7200.0])
 def test_a_lease_ttl_the_sidecar_would_refuse_is_refused_at_construction(make_store, sidecars, connectors, hashes, ttl):
     """(Accepted, the sidecar refused every lookup: only ever misses, under a warning about the sidecar.)"""

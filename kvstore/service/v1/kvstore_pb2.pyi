@@ -81,14 +81,16 @@ class RegisterNamespaceResponse(_message.Message):
     def __init__(self, namespace_id: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., layer_bytes: _Optional[int] = ..., num_layers: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("namespace_id", "block_hashes", "lease_ttl_s")
+    __slots__ = ("namespace_id", "block_hashes", "lease_ttl_s", "probe")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    PROBE_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     lease_ttl_s: float
-    def __init__(self, namespace_id: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
+    probe: bool
+    def __init__(self, namespace_id: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., lease_ttl_s: _Optional[float] = ..., probe: bool = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("num_blocks", "block_size", "tiers", "lease_id", "lease_refused")

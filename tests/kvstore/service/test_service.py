@@ -13,6 +13,7 @@ from dataclasses import replace
 import grpc
 import numpy as np
 import pytest
+from prometheus_client import generate_latest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -373,6 +374,20 @@ def test_health_is_serving_and_reflection_lists_the_services(server):
         (reply,) = reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
         names = {s.name for s in reply.list_services_response.service}
         assert {"kvstore.v1.KVStore", "grpc.health.v1.Health"} <= names
+
+
+def test_a_probe_answers_whether_a_block_is_held_without_a_lease_or_a_count(server, client, stub, namespace, spec,
+                                                                          chain):
+    ns_id = client.register_namespace(namespace)
+    client.put(ns_id, chain[:2], payloads_for(spec, chain[:2]))
+    assert client.holds(ns_id, chain[1]) and not client.holds(ns_id, chain[2])
+    stats = client.stats()
+    assert (stats.lookups, stats.hit_blocks, stats.leases_active) == (0, 0, 0)
+    assert "kvstore_lookups_total{" not in generate_latest(server.metrics.registry).decode(), "nor in Prometheus"
+    error = rpc_error(stub.Lookup, pb.LookupRequest(namespace_id=ns_id, block_hashes=chain[:1], lease_ttl_s=30,
+                                                    probe=True))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "a probe takes no lease" in error.details()
+    assert client.stats().leases_active == 0
 
 
 def test_stats_reflect_traffic(client, store, namespace, spec, chain):
