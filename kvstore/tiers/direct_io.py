@@ -62,11 +62,12 @@ def _bounce(nbytes: int, use: str = "read") -> np.ndarray:
 
 def read_direct(fd: int, offset: int, length: int) -> np.ndarray:
     """``[length]`` bytes at ``offset`` (fewer at end of file) as a view of this thread's bounce
-    buffer, read with O_DIRECT over the aligned span that covers them."""
+    buffer, read with O_DIRECT over the aligned span that covers them (a short read is continued:
+    ``read_direct_into``)."""
     start = offset // ALIGN * ALIGN
     end = -(-(offset + length) // ALIGN) * ALIGN
     span = _bounce(end - start)[: end - start]
-    got = os.preadv(fd, [span], start)
+    got = read_direct_into(fd, start, span)
     available = max(0, min(got - (offset - start), length))
     return span[offset - start : offset - start + available]
 
