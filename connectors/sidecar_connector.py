@@ -67,6 +67,7 @@ from kvstore.service.limits import ServiceLimits
 from kvstore.tiers.host import HostTier
 
 log = logging.getLogger(__name__)
+DEMOTE_PROBE_TIMEOUT_S = 0.05  # an evicting engine's thread waits this long for "does the sidecar hold it?"
 DEFAULT_TIMEOUT_S = 30.0
 
 
@@ -269,16 +270,18 @@ class SidecarConnector(KVConnector):
         """Save the evicted page's block unless the sidecar holds it already (the usual case: the
         engine saved it when it was computed): one probe ``Lookup`` (``KVStoreClient.holds``: no
         lease, no lookup counted) instead of copying every layer of the page out and sending a
-        duplicate the sidecar drops, as until session 35. A probe that fails saves it anyway (the
-        save reports what it meets)."""
+        duplicate the sidecar drops, as until session 35. The engine's thread waits for the probe
+        at most ``DEMOTE_PROBE_TIMEOUT_S``; a probe that fails or takes longer saves it anyway,
+        and counts for nothing in the sidecar's back-off (the save's own call does). No probe
+        while the sidecar is being skipped."""
         if self.read_only:
             return
-        try:
-            if self.session.call(lambda: self.client.holds(self.ns_id, block_hash, timeout_s=self.lookup_timeout_s),
-                                 timeout_s=self.lookup_timeout_s):
-                return
-        except Exception:  # grpc.RpcError, skipped while the sidecar does not answer: the save decides
-            pass
+        if not self.session.backoff.retry_in_s():
+            try:
+                if self.client.holds(self.ns_id, block_hash, timeout_s=DEMOTE_PROBE_TIMEOUT_S):
+                    return
+            except grpc.RpcError:  # unknown namespace (a restarted sidecar), past the wait...: the save decides
+                pass
         super().demote(block_hash, page, pool, parent)
 
     def release(self, request_id: str) -> None:

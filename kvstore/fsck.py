@@ -12,8 +12,12 @@ what the segments hold. Findings:
                        there is not a corrupt one)
     index_unreadable   the index could not be read in full: it does not open, or a block of it fails
                        its checksum (repair rebuilds it from the segments)
-    header_key_missing segments, but no DIR/header.key to authenticate their record headers with:
-                       nothing in them can be served (the next open, or repair, starts the tier empty)
+    header_key_problem "missing": segments, but no DIR/header.key to authenticate their record headers
+                       with; "unreadable": a key file that cannot be read or is damaged; "another": the
+                       index's entries were written under another key. Nothing can be served, and
+                       nothing is verified (the next open, or repair, starts the tier empty; a damaged
+                       key file must be deleted first)
+    other_format       the index is another format version's and holds blocks (checked by nothing)
 
 A tier is clean when there are no bad entries, corrupt records or missing segments and the index
 reads: orphans and uncommitted bytes are what a crash legitimately leaves, and the next open
@@ -39,8 +43,9 @@ from rocksdict import AccessType, Options, Rdict
 
 from kvstore.errors import InvalidRequest
 from kvstore.tiers.disk_files import (
-    HEADER_KEY_FILE, DirectoryLock, IndexEntry, read_header_key, read_index, room_for_tier,
+    FORMAT_VERSION, HEADER_KEY_FILE, DirectoryLock, StoredIndex, read_header_key, read_index, room_for_tier,
 )
+from kvstore.tiers.header_key import HeaderKey
 from kvstore.tiers.segment import scan_segment
 
 ProgressFactory = Callable[[str, int], Callable[[int], None]]
@@ -60,28 +65,28 @@ class FsckReport:
     payload_bytes: int = 0
     repaired_entries: int = 0
     index_unreadable: bool = False
-    header_key_missing: bool = False
+    header_key_problem: str = ""  # "missing", "unreadable" or "another" (the index's entries are another key's)
+    other_format: str = ""  # the index's format, where it is another version's and holds blocks
     problems: list[str] = field(default_factory=list)
 
     @property
     def clean(self) -> bool:
         return not (self.bad_entries or self.corrupt_records or self.missing_segments or self.index_unreadable
-                    or self.header_key_missing)
+                    or self.header_key_problem or self.other_format)
 
     def as_dict(self) -> dict:
         return {**asdict(self), "clean": self.clean}
 
 
-def _read_index(index_dir: str) -> tuple[dict[bytes, IndexEntry], tuple[int, int] | None]:
-    """key -> entry and the committed tail, read-only and writing nothing there; raises where any
-    of it cannot be read (``read_index``), never returns part of it."""
+def _read_index(index_dir: str) -> StoredIndex:
+    """Everything the index holds, read-only and writing nothing there; raises where any of it
+    cannot be read (``read_index``), never returns part of it."""
     with _shadow_of(index_dir) as shadow:
         db = Rdict(shadow, options=Options(raw_mode=True), access_type=AccessType.read_only())
         try:
-            stored = read_index(db, index_dir)
+            return read_index(db, index_dir)
         finally:
             db.close()
-    return stored.entries, stored.tail
 
 
 @contextlib.contextmanager
@@ -131,34 +136,87 @@ def _not_a_tier(path: str) -> str:
     return f"{path} is not a kvstore disk tier directory (no segments/ inside)"
 
 
-def _load_index(path: str, report: FsckReport) -> tuple[dict[bytes, IndexEntry], tuple[int, int] | None]:
-    """``_read_index``, with a missing or unreadable index noted in ``report`` instead of raised."""
+def _load_index(path: str, report: FsckReport) -> StoredIndex:
+    """``_read_index``, with a missing or unreadable index noted in ``report`` instead of raised
+    (then an empty, unstamped one)."""
     index_dir = os.path.join(path, "index")
     if not os.path.isdir(index_dir):
         report.problems.append("index directory is missing (the next open rebuilds it from the segments)")
-        return {}, None
+        return _NO_INDEX
     try:
         return _read_index(index_dir)
     except Exception as exc:  # rocksdict raises plain Exception
         report.index_unreadable = True
         report.problems.append(f"index is unreadable ({exc}); run with --repair to rebuild it from the segments")
-        return {}, None
+        return _NO_INDEX
+
+
+_NO_INDEX = StoredIndex(None, None, None, None, {})
+
+
+def _usable_header_key(path: str, report: FsckReport, stored: StoredIndex, segments: int) -> HeaderKey | None:
+    """The key to check the records with; None, with why in ``report``, where there is none to
+    trust: no key file (with segments to check), one that cannot be read, or an index of
+    entries written under another key (the file replaced or lost and made anew)."""
+    try:
+        header_key = read_header_key(path)
+    except (InvalidRequest, OSError) as exc:
+        report.header_key_problem = "unreadable"
+        report.problems.append(f"{HEADER_KEY_FILE} cannot be used ({exc}); no record can be checked without it")
+        return None
+    if header_key is None:
+        if segments:
+            report.header_key_problem = "missing"
+            report.problems.append(f"{HEADER_KEY_FILE} is missing: no record header of the {segments} segments "
+                                   "can be authenticated, so none of their blocks can be served (the next open, "
+                                   "or --repair, reclaims them and starts the tier empty)")
+        return None
+    if stored.stamp is not None and stored.entries and stored.key_check != header_key.fingerprint():
+        report.header_key_problem = "another"
+        report.problems.append(f"the index's entries were written under another header key than {HEADER_KEY_FILE}: "
+                               "none of them can be served (the next open, or --repair, sets the index aside and "
+                               "reclaims the records)")
+        return None
+    return header_key
 
 
 def _check(path: str, report: FsckReport, progress: ProgressFactory | None) -> None:
     segments_dir = os.path.join(path, "segments")
-    entries, tail = _load_index(path, report)
+    stored = _load_index(path, report)
+    entries, tail = stored.entries, stored.tail
     report.indexed_blocks = len(entries)
     segment_ids = sorted(int(n[:-4]) for n in os.listdir(segments_dir) if n.endswith(".seg") and n[:-4].isdigit())
     report.segments = len(segment_ids)
-    header_key = read_header_key(path)
-    if header_key is None:
-        report.header_key_missing = bool(segment_ids)
-        if segment_ids:
-            report.problems.append(f"{HEADER_KEY_FILE} is missing: no record header of the {len(segment_ids)} "
-                                   "segments can be authenticated, so none of their blocks can be served (the "
-                                   "next open, or --repair, reclaims them and starts the tier empty)")
+    if stored.stamp not in (None, FORMAT_VERSION) and entries:
+        report.other_format = stored.stamp.decode(errors="replace")
+        report.problems.append(f"the index is of format {report.other_format!r}, and this kvstore reads "
+                               f"{FORMAT_VERSION.decode()!r}: check it with the kvstore that wrote it (this one "
+                               "refuses to open it; deleting the directory starts it over)")
         return
+    header_key = _usable_header_key(path, report, stored, len(segment_ids))
+    found = _verified_records(segments_dir, segment_ids, header_key, tail, report, progress) if header_key else {}
+    present = set(segment_ids)
+    missing = {entry.segment for entry in entries.values() if entry.segment not in present}
+    report.missing_segments = len(missing)
+    report.problems += [f"segment {s} is referenced by the index but missing" for s in sorted(missing)]
+    if header_key is None:  # nothing could be verified: the entries are neither good nor bad
+        return
+    referenced = set()
+    for key, entry in entries.items():
+        referenced.add((entry.segment, entry.offset))
+        if found.get((entry.segment, entry.offset)) == key:
+            report.ok += 1
+        elif entry.segment not in missing:
+            report.bad_entries += 1
+            report.problems.append(f"index entry {key.hex()} -> segment {entry.segment} offset {entry.offset}: "
+                                   "no verifying record")
+    report.orphans = sum(1 for place in found if place not in referenced)
+
+
+def _verified_records(segments_dir: str, segment_ids: list[int], header_key: HeaderKey, tail: tuple[int, int] | None,
+                      report: FsckReport, progress: ProgressFactory | None) -> dict[tuple[int, int], bytes]:
+    """(segment, offset) -> key of every record that verifies; corrupt ones and uncommitted bytes
+    counted in ``report``."""
     total = sum(os.path.getsize(os.path.join(segments_dir, f"{i:08d}.seg")) for i in segment_ids)
     advance = progress("verifying segments", total) if progress else None
     found: dict[tuple[int, int], bytes] = {}
@@ -172,20 +230,7 @@ def _check(path: str, report: FsckReport, progress: ProgressFactory | None) -> N
                 report.corrupt_records += 1
                 report.problems.append(f"segment {segment_id} offset {record.offset}: record fails its checksums")
         report.uncommitted_bytes += _uncommitted_bytes(tail, segment_id, os.path.getsize(seg_path))
-    present = set(segment_ids)
-    missing = {entry.segment for entry in entries.values() if entry.segment not in present}
-    report.missing_segments = len(missing)
-    report.problems += [f"segment {s} is referenced by the index but missing" for s in sorted(missing)]
-    referenced = set()
-    for key, entry in entries.items():
-        referenced.add((entry.segment, entry.offset))
-        if found.get((entry.segment, entry.offset)) == key:
-            report.ok += 1
-        elif entry.segment not in missing:
-            report.bad_entries += 1
-            report.problems.append(f"index entry {key.hex()} -> segment {entry.segment} offset {entry.offset}: "
-                                   "no verifying record")
-    report.orphans = sum(1 for place in found if place not in referenced)
+    return found
 
 
 def _uncommitted(tail: tuple[int, int] | None, segment_id: int, offset: int) -> bool:

@@ -227,16 +227,16 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             self._lease_ended(lease_id)  # the load ends it in the store
         started = time.perf_counter()
         result = await run(self._store.load, request.namespace_id, hashes, dsts, lease_id)
-        self.metrics.load_took("bytes", time.perf_counter() - started)
-        sent = SentBlocks()
+        load_s, sent = time.perf_counter() - started, SentBlocks()
         try:
             yield pb.GetResponse(header=pb.GetHeader(requested_blocks=len(hashes), tiers=result.tiers,
                                                      block_bytes=block_bytes))
             for index, offset, data in sent.chunks(dsts[: result.loaded_blocks], 0,
                                                    self._limits.chunk_bytes(request.chunk_bytes)):
                 yield encode_chunk(index, offset, data)  # a serialized GetResponse (see add_to_server)
-        finally:  # a client gone mid-stream was handed only some
+        finally:  # a client gone mid-stream was handed only some; the load's time after them, as in _get_as_loaded
             self.metrics.loaded(request.namespace_id, result.tiers[: sent.count], "bytes")
+            self.metrics.load_took("bytes", load_s)
 
     async def _get_as_loaded(self, request, hashes: list[bytes], block_bytes: int, lease_id: int | None, run):
         """Get's messages as the groups load (``_loaded_groups``): a header per group, then its chunks."""

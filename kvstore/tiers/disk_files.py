@@ -43,6 +43,7 @@ TAIL_VALUE = struct.Struct("<IQ")  # segment id, offset
 NEXT_SEQ_KEY = b"m/next-seq"
 NEXT_SEQ_VALUE = struct.Struct("<Q")
 FORMAT_KEY = b"m/format"
+HEADER_KEY_CHECK = b"m/header-key"  # HeaderKey.fingerprint() of the key the entries were written under
 FORMAT_VERSION = b"kvstore-disk-2"  # 2: header tags keyed with DIR/header.key (``header_key``)
 HEADER_KEY_FILE = "header.key"
 
@@ -283,6 +284,7 @@ class StoredIndex:
     """Everything an index holds (``read_index``)."""
 
     stamp: bytes | None  # FORMAT_KEY's value; None in an index no tier has stamped yet
+    key_check: bytes | None  # HEADER_KEY_CHECK's value
     tail: tuple[int, int] | None  # the committed tail (segment id, offset); None before the first record
     next_seq: int | None  # NEXT_SEQ_KEY's value, where the index has it
     entries: dict[bytes, IndexEntry]  # block key -> where its record is
@@ -297,7 +299,7 @@ def read_index(db: Rdict, index_dir: str) -> StoredIndex:
     taking that shortened index for the truth frees the good records it no longer lists."""
     try:
         stamp, tail, next_seq = db.get(FORMAT_KEY), db.get(TAIL_KEY), db.get(NEXT_SEQ_KEY)
-        return StoredIndex(stamp, TAIL_VALUE.unpack(tail) if tail else None,
+        return StoredIndex(stamp, db.get(HEADER_KEY_CHECK), TAIL_VALUE.unpack(tail) if tail else None,
                            NEXT_SEQ_VALUE.unpack(next_seq)[0] if next_seq else None, _block_entries(db))
     except struct.error as exc:
         raise CorruptIndex(f"a malformed value ({exc})") from exc

@@ -27,8 +27,9 @@ from rocksdict import WriteBatch
 from kvstore.errors import InvalidRequest
 from kvstore.tiers.base import KEY_BYTES
 from kvstore.tiers.disk_files import (
-    BLOCK_KEY_PREFIX, FORMAT_KEY, FORMAT_VERSION, HEADER_KEY_FILE, TAIL_KEY, TAIL_VALUE, CorruptIndex, SegmentFile,
-    StoredIndex, _index_error, newest_records, open_header_key, open_index, read_index, segment_name, set_aside,
+    BLOCK_KEY_PREFIX, FORMAT_KEY, FORMAT_VERSION, HEADER_KEY_CHECK, HEADER_KEY_FILE, TAIL_KEY, TAIL_VALUE,
+    CorruptIndex, SegmentFile, StoredIndex, _index_error, newest_records, open_header_key, open_index, read_index,
+    segment_name, set_aside,
 )
 from kvstore.tiers.segment import HEADER_BYTES, MAGIC, PAGE, RecordHeader, footprint, punch_hole
 
@@ -52,12 +53,15 @@ class DiskRecovery:
         if created and on_disk:  # no header of these segments can be authenticated: garbage, all of it
             log.warning("disk tier %s: no header key (%s) beside %d segment files; their records cannot be "
                         "told from forgeries and are reclaimed as garbage", self.path, HEADER_KEY_FILE, len(on_disk))
-            if stored.stamp is not None:
-                stored = self._replace_index("its records were written under a header key that is gone")
+        if stored.stamp is not None and stored.key_check != self._header_key.fingerprint():
+            # written under another key (the file lost, then a crash before this replacement; or
+            # copied in): not one entry would verify, and its bytes would never be reclaimed
+            self._counters["recovered_lost_blocks"] += len(stored.entries)
+            stored = self._replace_index(f"its entries were written under another header key than {HEADER_KEY_FILE}")
         if stored.stamp is None:  # a new index, or one lost or set aside: the segments are the truth
             if on_disk:
                 self._rebuild_index(on_disk)
-            self._write_index(lambda: self._db.put(FORMAT_KEY, FORMAT_VERSION))
+            self._write_index(lambda: self._db.write(self._stamp()))
             stored = read_index(self._db, self._index_dir)
         self._load_index(stored, on_disk)
         self._reclaim_uncovered()
@@ -85,6 +89,13 @@ class DiskRecovery:
                              "give this one another directory, or delete it to start over (a cache: its blocks "
                              "are computed again)")
 
+    def _stamp(self) -> WriteBatch:
+        """What says the index is this version's, and under which header key its entries are."""
+        batch = WriteBatch(raw_mode=True)
+        batch.put(FORMAT_KEY, FORMAT_VERSION)
+        batch.put(HEADER_KEY_CHECK, self._header_key.fingerprint())
+        return batch
+
     def _replace_index(self, reason: str) -> StoredIndex:
         """Close the index, set it aside (``reason`` says why it cannot be used), and read the
         empty one opened in its place: unstamped, so the segments are the truth."""
@@ -99,19 +110,20 @@ class DiskRecovery:
         # Sequence numbers never go back, even past removed blocks: where a removed record's bytes
         # stay (no hole punching), a rebuild must still prefer a newer record of the same key.
         self._seq = stored.next_seq or 0
-        lost = WriteBatch(raw_mode=True)
+        lost, dropped = WriteBatch(raw_mode=True), 0
         for key, entry in stored.entries.items():
             beyond_tail = (entry.segment, entry.offset) >= (tail_segment, tail_offset)
             beyond_eof = entry.offset + footprint(entry.nbytes) > sizes.get(entry.segment, -1)
             if beyond_tail or beyond_eof:  # segment missing or cut short
                 lost.delete(BLOCK_KEY_PREFIX + key)
-                self._counters["recovered_lost_blocks"] += 1
+                dropped += 1
                 continue
             self._index[key] = entry
             self._seq = max(self._seq, entry.seq + 1)
-        if self._counters["recovered_lost_blocks"]:
+        if dropped:
+            self._counters["recovered_lost_blocks"] += dropped
             log.warning("disk tier %s: %d index entries pointed at missing or truncated segments; dropped",
-                        self.path, self._counters["recovered_lost_blocks"])
+                        self.path, dropped)
             self._write_index(lambda: self._db.write(lost))
         for segment_id in on_disk:
             if segment_id > tail_segment:  # created, but nothing in it was ever committed

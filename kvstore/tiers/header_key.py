@@ -40,5 +40,11 @@ class HeaderKey:
     def authenticates(self, body: bytes, tag: bytes) -> bool:
         return hmac.compare_digest(self.tag(body), tag)
 
+    def fingerprint(self) -> bytes:
+        """What the tier's index keeps to know which key its entries were written under: a tag of a
+        fixed text (says nothing of the secret), so an index whose key file was lost or replaced
+        is set aside instead of trusted (its records would all fail verification, as misses)."""
+        return self.tag(b"kvstore disk tier index")
+
     def __repr__(self) -> str:
         return "HeaderKey(<secret>)"  # never the secret itself, in a log or a traceback

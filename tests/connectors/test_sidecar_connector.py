@@ -401,6 +401,32 @@ def test_demoting_a_block_the_sidecar_holds_sends_nothing_and_one_it_lacks_is_sa
     assert torch.equal(target.layer_page_bytes(2, 2), source.layer_page_bytes(2, 2))
 
 
+def test_a_slow_probe_saves_the_page_within_its_wait_and_trips_no_back_off(make_store, sidecars, connectors, hashes,
+                                                                          monkeypatch):
+    """The probe is on the engine's thread: a sidecar slow to answer it costs the eviction at most
+    DEMOTE_PROBE_TIMEOUT_S (then the page is saved as before), and does not make the connector
+    skip the sidecar's lookups for a back-off window."""
+    store = make_store()
+    connector = connectors(sidecars(store).target, NS)
+    source = BytePool(2, seed=8)
+    connector.save("a", hashes[:1], [0], source, parent=None)
+    connector.flush()
+    real_lookup = store.lookup
+
+    def slow_probe(*args, counted=True, **kw):
+        if not counted:
+            time.sleep(0.5)
+        return real_lookup(*args, counted=counted, **kw)
+
+    monkeypatch.setattr(store, "lookup", slow_probe)
+    started = time.monotonic()
+    connector.demote(hashes[0], 0, source, parent=None)
+    assert time.monotonic() - started < 0.4
+    connector.flush()
+    assert store.stats().duplicate_blocks == 1, "saved as if missing"
+    assert connector.session.backoff.retry_in_s() == 0 and connector.lookup("b", hashes).blocks == 1
+
+
 @pytest.mark.parametrize("ttl", [0, 7200.0])
 def test_a_lease_ttl_the_sidecar_would_refuse_is_refused_at_construction(make_store, sidecars, connectors, hashes, ttl):
     """(Accepted, the sidecar refused every lookup: only ever misses, under a warning about the sidecar.)"""

@@ -106,13 +106,49 @@ def test_a_missing_header_key_is_a_problem_and_repair_starts_the_tier_empty(disk
     "clean" (or counting orphans) would hide it."""
     os.unlink(disk_dir / "header.key")
     report = fsck(str(disk_dir))
-    assert not report.clean and report.header_key_missing and report.indexed_blocks == 10 and report.ok == 0
+    assert not report.clean and report.header_key_problem == "missing" and report.indexed_blocks == 10 and report.ok == 0
     assert any("header.key is missing" in p and "none of their blocks can be served" in p for p in report.problems)
     assert main(["fsck", str(disk_dir)]) == 1
     assert "PROBLEMS FOUND" in capsys.readouterr().out
     repaired = fsck(str(disk_dir), repair=True)
     assert repaired.clean and repaired.indexed_blocks == repaired.segments == 0
+    assert repaired.repaired_entries == 10, "the blocks it lost are counted"
     assert (disk_dir / "header.key").exists()
+
+
+def test_with_the_key_and_the_segments_gone_the_missing_segments_are_still_reported(disk_dir):
+    os.unlink(disk_dir / "header.key")
+    shutil.rmtree(disk_dir / "segments")
+    os.mkdir(disk_dir / "segments")
+    report = fsck(str(disk_dir))
+    assert not report.clean and report.missing_segments == 1 and report.header_key_problem == ""
+
+
+def test_a_damaged_or_foreign_key_is_a_finding_not_a_crash(disk_dir, tmp_path):
+    from kvstore.tiers.disk_files import open_header_key
+
+    (disk_dir / "header.key").write_bytes(b"short")
+    report = fsck(str(disk_dir))
+    assert not report.clean and report.header_key_problem == "unreadable" and report.bad_entries == 0
+    assert any("header.key cannot be used" in p and "holds 5 bytes" in p for p in report.problems)
+    open_header_key(str(tmp_path))  # another tier's key, copied in
+    shutil.copyfile(tmp_path / "header.key", disk_dir / "header.key")
+    report = fsck(str(disk_dir))
+    assert not report.clean and report.header_key_problem == "another" and report.ok == 0
+    assert fsck(str(disk_dir), repair=True).repaired_entries == 10
+
+
+def test_an_index_of_another_format_is_named_not_taken_for_a_key_problem(disk_dir):
+    from rocksdict import Options, Rdict
+
+    from kvstore.tiers.disk_files import FORMAT_KEY
+
+    index = Rdict(str(disk_dir / "index"), options=Options(raw_mode=True))
+    index.put(FORMAT_KEY, b"kvstore-disk-1")
+    index.close()
+    report = fsck(str(disk_dir))
+    assert not report.clean and report.other_format == "kvstore-disk-1" and report.header_key_problem == ""
+    assert any("format 'kvstore-disk-1'" in p and "reads 'kvstore-disk-2'" in p for p in report.problems)
 
 
 def test_progress_callback_sees_every_byte(disk_dir):

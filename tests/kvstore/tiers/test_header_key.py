@@ -82,12 +82,37 @@ def test_a_tier_whose_header_key_is_gone_starts_empty_and_frees_its_records(open
         tier = open_tier()
     assert "no header key (header.key) beside 1 segment files" in caplog.text
     assert tier.stats().blocks == 0 and tier.used_bytes == 0 and not reads_exact(tier, 0)
+    assert tier.stats().extra["recovered_lost_blocks"] == (0 if index_too else 6)
     assert len(glob.glob(str(tmp_path / "disk" / "index.corrupt-*"))) == (0 if index_too else 1)
     assert put(tier, 7)
     tier.close()
     tier = open_tier()
     assert {index_of(k) for k, _ in tier.items()} == {7} and reads_exact(tier, 7)
     tier.check_integrity()
+
+
+@pytest.mark.parametrize("how", ["made_anew_then_killed", "copied_from_another_tier"])
+def test_an_index_written_under_another_key_is_set_aside_not_served(open_tier, tmp_path, how):
+    """An index whose entries another key's headers back: the key file was lost and the process
+    died between making the new one and setting the old index aside, or the file was copied in.
+    Before the index kept the key's fingerprint, its entries were loaded as live: lookups hit
+    blocks no read could verify, and their bytes were never reclaimed."""
+    _stored_then_closed(open_tier)
+    key_file = tmp_path / "disk" / HEADER_KEY_FILE
+    if how == "copied_from_another_tier":
+        open_header_key(str(tmp_path))
+        shutil.copyfile(tmp_path / HEADER_KEY_FILE, key_file)
+    else:
+        key_file.unlink()
+        open_header_key(str(tmp_path / "disk"))
+    tier = open_tier()
+    assert tier.stats().extra["recovered_lost_blocks"] == 6
+    assert not any(tier.contains(key_of(i)) for i in range(6)) and tier.used_bytes == 0
+    assert len(glob.glob(str(tmp_path / "disk" / "index.corrupt-*"))) == 1
+    assert put(tier, 7) and reads_exact(tier, 7)
+    tier.close()
+    tier = open_tier()  # the new index carries this key's fingerprint: kept
+    assert {index_of(k) for k, _ in tier.items()} == {7}
 
 
 def test_the_key_file_is_private_and_kept_across_opens(open_tier, tmp_path):
