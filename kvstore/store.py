@@ -235,7 +235,7 @@ class TieredStore(PlacementMixin, LeaseHolderMixin):
                     if tier_keys:
                         self.tiers[t].prefetch(tier_keys)
                 for key, view in zip(keys, views):
-                    tier = self._load_one(key, view, 0, spec.num_layers)
+                    tier = self._load_one(key, view, 0, spec.num_layers, lease_id)
                     if tier is None:
                         break
                     served.append(self.tiers[tier].name)
@@ -279,16 +279,16 @@ class TieredStore(PlacementMixin, LeaseHolderMixin):
         spec.layer_range(layer)
         view = byte_view(dst, writable=True)
         check_size(view, spec.layer_bytes, "layer destination buffer")
-        with self._lock:
-            if not self._readable_run([ns_id + block_hash], None):
-                return None
-        tier = self._load_one(ns_id + block_hash, view, int(layer), 1)
+        tier = self._load_one(ns_id + block_hash, view, int(layer), 1, None)
         return None if tier is None else self.tiers[tier].name
 
-    def _load_one(self, key: bytes, dst: np.ndarray, first_layer: int, num_layers: int) -> int | None:
+    def _load_one(self, key: bytes, dst: np.ndarray, first_layer: int, num_layers: int,
+                  lease_id: int | None) -> int | None:
+        """Read ``key`` from its fastest tier; None where no tier serves it, or it was deleted and
+        ``lease_id`` does not cover it (checked as it is pinned: a delete cannot slip in between)."""
         with self._lock:
             bits = self._bits(key)
-            if not bits:
+            if not bits or not self._readable_run([key], lease_id):
                 return None
             self._leases.pin([key])
         try:

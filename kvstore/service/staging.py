@@ -177,9 +177,9 @@ class StagingArea:
         """End ``owner``'s reservation: private copies of its slots, each verified against ``checksums``.
 
         Raises ``UnknownLease`` for an unknown or lapsed reservation, or one of another owner (the
-        same answer: that one is left as it is), and ``InvalidRequest`` when a slot's bytes do not
-        match its checksums (or their count is wrong); the owner's slots are freed in every case,
-        so a failed commit must reserve again.
+        same answer: that one is left as it is), ``StagedBytesChanged`` when a slot's bytes do not
+        match its checksums, and ``InvalidRequest`` when their count is wrong; the owner's slots
+        are freed in every case (the copies recycled), so a failed commit must reserve again.
         """
         with self._lock:
             self._check_open()
@@ -192,7 +192,7 @@ class StagingArea:
             self._end(reservation_id)
         try:
             _verify(reservation, copies, checksums)
-        except InvalidRequest:
+        except KVStoreError:  # InvalidRequest, StagedBytesChanged: the copies are no block's
             self.recycle(copies)
             raise
         return reservation, copies

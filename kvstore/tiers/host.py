@@ -180,14 +180,14 @@ class HostTier(Tier):
 
     def read(self, key: bytes, dst: np.ndarray, first_layer: int = 0, num_layers: int | None = None) -> bool:
         self._check_open()
-        entry = self._index.get(key)
-        if entry is None:
+        entry, arena = self._index.get(key), self._arena  # one look at the arena: close() unsets it
+        if entry is None or arena is None:
             return False
         offset, meta = entry
         count = meta.num_layers - first_layer if num_layers is None else num_layers
         assert 0 <= first_layer and first_layer + count <= meta.num_layers, "layer range checked by the store (bug)"
         start = offset + first_layer * meta.layer_bytes
-        np.copyto(dst, self._arena[start : start + count * meta.layer_bytes])
+        np.copyto(dst, arena[start : start + count * meta.layer_bytes])
         with self._bytes_read_lock:
             self._bytes_read += dst.nbytes
         return True

@@ -359,3 +359,35 @@ def test_a_deleted_but_leased_block_is_loaded_only_by_its_lease_holder(make_stor
     np.testing.assert_array_equal(dsts[2], payloads[2])
     assert store.stats().tier("host").blocks == 0  # gone with the lease
     store.check_integrity()
+
+
+@pytest.mark.parametrize("reader", ["load_layer", "load"])
+def test_a_delete_landing_as_a_read_begins_is_a_miss_for_a_reader_without_the_lease(make_store, namespace, spec,
+                                                                                     chain, monkeypatch, reader):
+    """Another client's lease pins the blocks; delete_namespace lands just after the reader's
+    check that they are readable, as it is about to pin a block. Both read it anyway (its genuine
+    bytes, but a deleted block is readable only by its lease holders; load_layer checked in one
+    hold of the lock and pinned in another); the check now happens where the block is pinned."""
+    store = make_store()
+    ns_id = store.register_namespace(namespace)
+    store.put(ns_id, chain[:2], payloads_for(spec, chain[:2]))
+    store.flush()  # the write-through copies done: nothing else holds the blocks
+    other = store.lookup(ns_id, chain[:2], lease_ttl_s=60)
+    real_bits = store._bits
+    deleted = []
+
+    def delete_first(key):  # the read has passed its first check and is about to pin the block
+        if not deleted:
+            deleted.append("deleting")  # before the call: it may look blocks up itself
+            deleted[0] = store.delete_namespace(ns_id)
+        return real_bits(key)
+
+    monkeypatch.setattr(store, "_bits", delete_first)
+    if reader == "load_layer":
+        assert store.load_layer(ns_id, chain[0], 0, np.zeros(spec.layer_bytes, np.uint8)) is None
+    else:
+        assert load_all(store, ns_id, spec, chain[:2])[0].loaded_blocks == 0
+    assert deleted == [2]
+    store.release(other.lease_id)
+    assert store.stats().tier("host").blocks == 0 and store.stats().tier("disk").blocks == 0
+    store.check_integrity()

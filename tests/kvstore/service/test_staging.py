@@ -17,7 +17,9 @@ from kvstore.keys import namespace_hashes
 from kvstore.results import PutResult
 from kvstore.service.client import KVStoreClient
 from kvstore.service.limits import ServiceLimits
-from kvstore.service.staging import DEFAULT_STAGING_BYTES, STAGING_AUTO, StagingArea, StagingFull, open_staging
+from kvstore.service.staging import (
+    DEFAULT_STAGING_BYTES, STAGING_AUTO, StagedBytesChanged, StagingArea, StagingFull, open_staging,
+)
 from kvstore.tiers.shm_segment import NoSpaceForSegment
 from kvstore.service.v1 import kvstore_pb2 as pb
 from kvstore.service.v1.kvstore_pb2_grpc import KVStoreStub
@@ -209,6 +211,16 @@ def test_take_verifies_a_private_copy_not_the_slot_a_client_can_still_write(stag
     _, (copy,) = staging.take(reservation.reservation_id, [layer_checksums(payload, spec.num_layers)])
     arena[reservation.offsets[0] : reservation.offsets[0] + spec.block_bytes] = 0  # the client writes on
     assert np.array_equal(copy, payload)
+
+
+def test_a_take_whose_bytes_changed_recycles_its_copies(staging, namespace, spec, chain):
+    """Only a wrong checksum count recycled them before: a commit of changed bytes left two fresh
+    copies for the allocator, page faults for the next take."""
+    reservation = staging.reserve(namespace.id, tuple(chain[:2]), None, spec.block_bytes, spec.num_layers, 30)
+    assert staging._spare_bytes == 0
+    with pytest.raises(StagedBytesChanged, match="do not match their checksums"):
+        staging.take(reservation.reservation_id, [(1,) * spec.num_layers] * 2)
+    assert staging._spare_bytes == 2 * spec.block_bytes
 
 
 def test_wrong_checksum_count_is_refused(staging, namespace, spec, chain):

@@ -357,6 +357,23 @@ def test_close_unlinks_segment_and_later_operations_raise(tmp_path):
     tier.close()  # idempotent
 
 
+def test_a_read_that_close_overtakes_after_its_check_is_a_miss(tmp_path):
+    """A read past its open check whose block entry was found just before close() unset the arena
+    raised TypeError (slicing None); reads take no lock, so this is a real interleaving."""
+    tier = HostTier(1 << 16, page_bytes=1 << 16, shm_dir=str(tmp_path))
+    payload, meta = block(1, 1000, 1)
+    assert tier.write(key_of(1), payload, meta)
+
+    class ClosedAfterTheLookup(dict):
+        def get(self, key, default=None):
+            found = super().get(key, default)
+            tier.close()  # closes between the entry's lookup and the copy
+            return found
+
+    tier._index = ClosedAfterTheLookup(tier._index)
+    assert not tier.read(key_of(1), np.empty(1000, np.uint8))
+
+
 def test_close_with_an_outstanding_view_still_unlinks(tmp_path):
     tier = HostTier(1 << 16, page_bytes=1 << 16, shm_dir=str(tmp_path))
     payload, meta = block(1, 1000, 1)
