@@ -27,7 +27,7 @@ import time
 
 import numpy as np
 
-from benchmarks.connector_load import NS, SPEC, Pages, stored
+from connector_load import NS, SPEC, Pages, stored  # a sibling script: run this one as benchmarks/demote.py
 from connectors.base import KVConnector
 from kvstore.keys import namespace_hashes
 
